@@ -1,0 +1,122 @@
+"""The one place the Gated DeltaNet recurrence runs (recurrent mode of DESIGN.md).
+
+Prefill, decode, mixed batches and the trainer forward all call
+:func:`gdn_recurrent`, one sequence at a time, token by token, with an fp32
+state ``S[HV, V, K]``. The state a sequence starts from is always passed
+explicitly (zeros for a new sequence), only the final state is returned, and
+nothing in the arithmetic depends on other sequences or on where a prompt was
+split: with an fp32 state cache, a chunked prefill is an exact store/reload.
+
+Per token t, value head h (key head ``h // (HV // H)``)::
+
+    q_t, k_t  = l2norm(q_t), l2norm(k_t)           # x * rsqrt(sum(x^2) + 1e-6), fp32
+    S        *= exp(g_t[h])                        # g = -exp(A_log) * softplus(a + dt_bias)
+    kv        = sum_k S[v, k] * k_t[k]
+    S        += ((v_t - kv) * beta_t[h]) ⊗ k_t     # beta = sigmoid(b)
+    o_t[v]    = sum_k S[v, k] * q_t[k] * K^-1/2
+
+Shapes: ``q, k: [T, H, K]``, ``v: [T, HV, V]``, ``g, beta: [T, HV]`` (fp32),
+``state: [HV, V, K]`` fp32. Output ``[T, HV, V]`` fp32.
+
+CPU: plain torch ops whose shapes depend only on (H, HV, K, V), so every
+token of every sequence is computed by the same kernels in the same order.
+CUDA: not implemented in this release (fails loudly).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_bi.ops.reduce import row_sum
+
+__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "causal_conv1d"]
+
+L2NORM_EPS = 1e-6
+
+
+def gdn_gating(
+    A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; both fp32 ``[T, HV]``."""
+    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
+    beta = torch.sigmoid(b.float())
+    return g, beta
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, fp32."""
+    x = x.float()
+    return x * torch.rsqrt(row_sum(x * x) + L2NORM_EPS)
+
+
+def gdn_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one sequence through the recurrence; returns ``(o [T, HV, V] fp32, final state)``.
+
+    ``q`` and ``k`` are raw (l2-normalised here). ``state`` is not modified.
+    """
+    if q.device.type != "cpu":
+        raise NotImplementedError(
+            "vllm_bi.attention.gdn_recurrent: only the CPU implementation exists in this release"
+        )
+    if state is None:
+        raise ValueError("gdn_recurrent needs an explicit fp32 state (zeros for a new sequence)")
+    if state.dtype != torch.float32:
+        raise ValueError(f"gdn_recurrent: state must be float32, got {state.dtype}")
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    if HV % H:
+        raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
+    scale = K**-0.5 if scale is None else scale
+    rep = HV // H
+    qn = l2norm(q) * scale
+    kn = l2norm(k)
+    if rep > 1:
+        qn = qn.repeat_interleave(rep, dim=1)
+        kn = kn.repeat_interleave(rep, dim=1)
+    v32 = v.float()
+    decay = torch.exp(g.float())
+    beta = beta.float()
+    S = state.clone()
+    out = torch.empty((T, HV, V), dtype=torch.float32)
+    for t in range(T):
+        k_t = kn[t].unsqueeze(1)  # [HV, 1, K]
+        S = S * decay[t].view(HV, 1, 1)
+        kv = row_sum(S * k_t).squeeze(-1)  # [HV, V]
+        delta = (v32[t] - kv) * beta[t].view(HV, 1)
+        S = S + delta.unsqueeze(-1) * k_t
+        out[t] = row_sum(S * qn[t].unsqueeze(1)).squeeze(-1)
+    return out, S
+
+
+def causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None = "silu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of one sequence, continuing from ``conv_state``.
+
+    ``x: [T, D]`` (model dtype), ``weight: [D, W]``, ``conv_state: [W-1, D]``
+    (the previous W-1 raw inputs, zeros for a new sequence). Each output is
+    ``act(sum_j weight[:, j] * x_ext[t + j])`` accumulated in fp32 in the fixed
+    order j = 0..W-1, rounded to x.dtype. Returns ``(y [T, D], new_state [W-1, D])``.
+    """
+    W = weight.shape[-1]
+    x_ext = torch.cat([conv_state.to(x.dtype), x], dim=0)
+    T = x.shape[0]
+    w32 = weight.float()
+    xe = x_ext.float()
+    acc = xe[0:T] * w32[:, 0]
+    for j in range(1, W):
+        acc = acc + xe[j : j + T] * w32[:, j]
+    if activation in ("silu", "swish"):
+        acc = F.silu(acc)
+    elif activation is not None:
+        raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
+    return acc.to(x.dtype), x_ext[-(W - 1) :].clone()

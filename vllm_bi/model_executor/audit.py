@@ -1,0 +1,85 @@
+"""Refuse to serve a model that holds a layer vllm_bi has not made batch-invariant.
+
+Run after the model is loaded (CPU runner). A module is accepted when its
+class is in :data:`BATCH_INVARIANT_LAYERS` (each entry says why), or when it is
+a plain container: no parameters of its own and not a vLLM custom op. Layers
+with a quantization method must use the unquantized one vllm_bi routes to its
+GEMM. Anything else stops the engine with the layer's name and class.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["audit_model", "BATCH_INVARIANT_LAYERS", "UnsupportedLayerError"]
+
+
+class UnsupportedLayerError(RuntimeError):
+    pass
+
+
+BATCH_INVARIANT_LAYERS: dict[str, str] = {
+    # GEMMs (quant_method checked below)
+    "ColumnParallelLinear": "ops.linear.bi_linear",
+    "MergedColumnParallelLinear": "ops.linear.bi_linear",
+    "QKVParallelLinear": "ops.linear.bi_linear",
+    "RowParallelLinear": "ops.linear.bi_linear",
+    "ReplicatedLinear": "ops.linear.bi_linear",
+    "GateLinear": "ops.linear.bi_linear (BI disables the specialised router tiers)",
+    "VocabParallelEmbedding": "row lookup; lm_head via ops.linear.bi_linear",
+    "ParallelLMHead": "ops.linear.bi_linear",
+    "LogitsProcessor": "no arithmetic besides the lm_head GEMM (no soft-cap / scale on these models)",
+    # norms and activations
+    "GemmaRMSNorm": "ops.norm.rms_norm",
+    "RMSNorm": "ops.norm.rms_norm",
+    "RMSNormGated": "ops.norm.gated_rms_norm",
+    "SiluAndMul": "ops.activation.silu_mul",
+    "RotaryEmbedding": "ops.rotary.apply_rotary",
+    # mixers
+    "QwenGatedDeltaNetAttention": "model_executor.gdn.bi_gdn_forward",
+    "Attention": "CPU_ATTN; batch/split/path invariance covered by the P1-P3 tests",
+    # MoE
+    "FusedMoE": "experts via ops.moe (CPUUnquantizedExperts patched), router ops.moe.softmax_topk",
+    "SharedFusedMoE": "as FusedMoE",
+}
+
+_ALLOWED_QUANT_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"}
+
+
+def _is_custom_op(m: torch.nn.Module) -> bool:
+    for base in type(m).__mro__:
+        if base.__name__ in ("CustomOp", "PluggableLayer"):
+            return True
+    return False
+
+
+def _known(m: torch.nn.Module) -> str | None:
+    for base in type(m).__mro__:
+        if base.__name__ in BATCH_INVARIANT_LAYERS:
+            return base.__name__
+    return None
+
+
+def audit_model(model: torch.nn.Module) -> dict[str, int]:
+    """Check every module; returns ``{accepted class name: count}`` or raises :class:`UnsupportedLayerError`."""
+    seen: dict[str, int] = {}
+    problems: list[str] = []
+    for name, m in model.named_modules():
+        known = _known(m)
+        own_params = any(True for _ in m.parameters(recurse=False))
+        if known is None:
+            if own_params or _is_custom_op(m):
+                problems.append(f"{name or '<root>'} ({type(m).__name__})")
+            continue
+        qm = getattr(m, "quant_method", None)
+        if qm is not None and type(qm).__name__ not in _ALLOWED_QUANT_METHODS:
+            problems.append(f"{name} ({type(m).__name__} with {type(qm).__name__})")
+            continue
+        seen[type(m).__name__] = seen.get(type(m).__name__, 0) + 1
+    if problems:
+        raise UnsupportedLayerError(
+            "vllm_bi: VLLM_BATCH_INVARIANT=1, but these layers have no batch-invariant implementation "
+            "in vllm_bi: " + ", ".join(problems[:10]) + (" ..." if len(problems) > 10 else "")
+            + ". Unset VLLM_BATCH_INVARIANT to serve this model without the guarantee."
+        )
+    return seen

@@ -1,0 +1,78 @@
+"""CPU replacement for vLLM's ``enable_batch_invariant_mode``.
+
+Stock vLLM registers Triton kernels for ``aten::mean.dim``, ``_log_softmax``,
+``softmax``, ``_softmax``, ``bmm`` on ``current_platform.dispatch_key`` — the
+CPU key on CPU, where Triton has no backend, so every ``x.mean(-1)`` raises
+``'function' object is not subscriptable``. On CPU vllm_bi registers these
+instead, each routed to the op library (row-wise reductions, exact GEMM).
+
+This is a safety net for code paths vllm_bi does not replace explicitly; the
+replaced layers call :mod:`vllm_bi.ops` directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_bi.ops.linear import bi_bmm
+from vllm_bi.ops.reduce import row_sum
+from vllm_bi.ops.softmax import log_softmax, softmax
+
+__all__ = ["enable_cpu_batch_invariant_mode", "is_enabled"]
+
+_LIB: torch.library.Library | None = None
+
+
+def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
+    out_dtype = dtype or x.dtype
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else sorted(d % x.dim() for d in dim)
+    keep = [d for d in range(x.dim()) if d not in dims]
+    xp = x.permute(*keep, *dims)
+    lead = [x.shape[d] for d in keep]
+    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+    flat = xp.reshape(*lead, -1)
+    m = (row_sum(flat, acc) / flat.shape[-1]).squeeze(-1)
+    if keepdim:
+        shape = [1 if d in dims else x.shape[d] for d in range(x.dim())]
+        m = m.reshape(shape)
+    return m.to(out_dtype)
+
+
+def _log_softmax(x, dim, half_to_float):
+    return log_softmax(x, dim, torch.float32 if half_to_float else x.dtype)
+
+
+def _softmax_int(x, dim, dtype=None):
+    return softmax(x, dim, dtype)
+
+
+def _softmax(x, dim, half_to_float):
+    return softmax(x, dim, torch.float32 if half_to_float else x.dtype)
+
+
+def _bmm(a, b):
+    return bi_bmm(a, b, torch.promote_types(a.dtype, b.dtype))
+
+
+def _bmm_out(a, b, *, out):
+    out.copy_(_bmm(a, b))
+    return out
+
+
+def enable_cpu_batch_invariant_mode() -> None:
+    """Register the CPU overrides (idempotent)."""
+    global _LIB
+    if _LIB is not None:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("aten::mean.dim", _mean_dim, "CPU")
+    lib.impl("aten::_log_softmax", _log_softmax, "CPU")
+    lib.impl("aten::softmax.int", _softmax_int, "CPU")
+    lib.impl("aten::_softmax", _softmax, "CPU")
+    lib.impl("aten::bmm", _bmm, "CPU")
+    lib.impl("aten::bmm.out", _bmm_out, "CPU")
+    _LIB = lib
+
+
+def is_enabled() -> bool:
+    return _LIB is not None

@@ -1,0 +1,385 @@
+"""Every change vllm_bi makes to vLLM 0.32 under ``VLLM_BATCH_INVARIANT=1``, in one ledger.
+
+Each entry names the patched symbol, why, how, and when it can go. They are
+applied by :func:`apply_all` (from the plugin, in every vLLM process), are
+idempotent, and are never applied with batch invariance off. ``patches/`` in
+the repository holds the same GDN change as an upstream-style diff.
+
+==============================================  ===========================================================
+symbol                                          why / how
+==============================================  ===========================================================
+``selector GDN check``                          stock refuses BI for GDN_ATTN. ``register_backend`` points
+                                                GDN_ATTN at ``BIGDNAttentionBackend`` (claims BI) — true
+                                                only with the next entry.
+``QwenGatedDeltaNetAttention.forward_cpu``      stock runs a chunked C++ prefill kernel, a different decode
+                                                kernel and a bf16 state. -> ``gdn.bi_gdn_forward``: one
+                                                recurrent path, fp32 state, explicit zero state.
+``EngineArgs.create_engine_config``             fp32 SSM cache (auto -> float32, explicit other dtype ->
+                                                refuse), eager mode on CPU (inductor would re-fuse the ops),
+                                                speculative decoding refused.
+``batch_invariant.enable_batch_invariant_mode`` CPU: stock registers Triton kernels on the CPU key.
+                                                -> ``cpu_overrides`` (CPU only).
+``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` (CPU)
+                                                oneDNN/sgl GEMMs are M-dependent and drop the weight.
+                                                -> keep the weight, ``ops.linear.bi_linear``.
+``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated``  -> ``ops.norm`` (row-wise reductions).
+``SiluAndMul`` / ``RotaryEmbedding`` (CPU)      -> ``ops.activation`` / ``ops.rotary`` (same numbers as the
+                                                trainer's).
+``CPUUnquantizedExperts`` + ``cpu_router._softmax_topk``
+                                                stock CPU experts are not BI (MoE backend refused).
+                                                -> ``ops.moe`` with unpacked weights.
+``topk_topp_sampler.random_sample`` + runner    CPU generators have no offset: a seeded request whose
+``_update_states``                              prompt is chunked kills the engine. -> per-request
+                                                generator keyed by (seed, draw index), rewindable.
+``Sampler.compute_logprobs``                    -> ``ops.softmax.log_softmax`` (the trainer's function).
+``CPUModelRunner.load_model``                   after loading, refuse any module type vllm_bi has not made
+                                                batch-invariant.
+==============================================  ===========================================================
+
+Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+__all__ = ["apply_all", "PATCHED", "BIGenerator"]
+
+logger = logging.getLogger("vllm_bi")
+
+PATCHED: list[str] = []
+
+
+def _patch(owner, name: str, new, label: str | None = None) -> None:
+    setattr(owner, name, new)
+    PATCHED.append(label or f"{getattr(owner, '__module__', '?')}.{getattr(owner, '__name__', owner)}.{name}")
+
+
+# --------------------------------------------------------------------------- engine config
+
+
+class BatchInvarianceConfigError(ValueError):
+    """A configuration vllm_bi cannot make batch-invariant."""
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+    if getattr(orig, "_vllm_bi", False):
+        return
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        from vllm.platforms import current_platform
+
+        ssm = getattr(self, "mamba_ssm_cache_dtype", "auto")
+        if ssm not in ("auto", "float32", None):
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: VLLM_BATCH_INVARIANT=1 needs a float32 GDN/SSM state cache, but "
+                f"--mamba-ssm-cache-dtype is {ssm!r} (a {ssm} state is rounded at every prefill split). "
+                "Fix: drop --mamba-ssm-cache-dtype or pass --mamba-ssm-cache-dtype float32."
+            )
+        if ssm != "float32":
+            self.mamba_ssm_cache_dtype = "float32"
+            logger.info("vllm_bi: batch invariance: SSM state cache dtype auto -> float32")
+        if getattr(self, "speculative_config", None):
+            raise BatchInvarianceConfigError(
+                "vllm_bi: speculative decoding is not batch-invariant yet; remove --speculative-config "
+                "or unset VLLM_BATCH_INVARIANT."
+            )
+        if current_platform.is_cpu() and not self.enforce_eager:
+            self.enforce_eager = True
+            logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
+        return orig(self, *args, **kwargs)
+
+    create_engine_config._vllm_bi = True
+    _patch(EngineArgs, "create_engine_config", create_engine_config)
+
+
+# --------------------------------------------------------------------------- GDN
+
+
+def _patch_gdn() -> None:
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
+
+    from vllm_bi.model_executor.gdn import bi_gdn_forward
+
+    register_backend(
+        MambaAttentionBackendEnum.GDN_ATTN,
+        "vllm_bi.model_executor.gdn.BIGDNAttentionBackend",
+        is_mamba=True,
+    )
+    PATCHED.append("registry: GDN_ATTN -> vllm_bi.model_executor.gdn.BIGDNAttentionBackend")
+    for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu"):
+        if hasattr(QwenGatedDeltaNetAttention, name):
+            _patch(QwenGatedDeltaNetAttention, name, bi_gdn_forward)
+
+
+# --------------------------------------------------------------------------- CPU op library routing
+
+
+def _patch_cpu_overrides() -> None:
+    from vllm.model_executor.determinism import batch_invariant
+
+    from vllm_bi.model_executor.cpu_overrides import enable_cpu_batch_invariant_mode
+
+    _patch(batch_invariant, "enable_batch_invariant_mode", enable_cpu_batch_invariant_mode)
+
+
+def _bi_linear_apply(self, layer, x, bias=None):
+    from vllm_bi.ops.linear import bi_linear
+
+    return bi_linear(x, layer.weight, bias)
+
+
+def _keep_weight(self, layer) -> None:
+    return None
+
+
+def _patch_linear() -> None:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for cls in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        _patch(cls, "process_weights_after_loading", _keep_weight)
+        _patch(cls, "apply", _bi_linear_apply)
+
+
+def _gemma_rms_forward(self, x, residual=None):
+    from vllm_bi.ops.norm import fused_add_rms_norm, rms_norm
+
+    weight = self.weight.float() + 1.0
+    if residual is None:
+        return rms_norm(x, weight, self.variance_epsilon)
+    return fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+
+
+def _rms_forward(self, x, residual=None):
+    from vllm_bi.ops.norm import fused_add_rms_norm, rms_norm
+
+    if getattr(self, "variance_size_override", None) is not None:
+        raise NotImplementedError("vllm_bi: RMSNorm with variance_size_override is not batch-invariant yet")
+    weight = self.weight.data if getattr(self, "has_weight", True) else None
+    if residual is None:
+        return rms_norm(x, weight, self.variance_epsilon)
+    return fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+
+
+def _gated_rms_forward(self, x, z=None):
+    from vllm_bi.ops.norm import gated_rms_norm
+
+    if getattr(self, "bias", None) is not None:
+        raise NotImplementedError("vllm_bi: RMSNormGated with bias is not batch-invariant yet")
+    return gated_rms_norm(x, z, self.weight, self.eps, self.norm_before_gate, self.activation, self.group_size)
+
+
+def _silu_mul_forward(self, x):
+    from vllm_bi.ops.activation import silu_mul
+
+    return silu_mul(x)
+
+
+def _rotary_forward(self, positions, query, key=None, *args, **kwargs):
+    from vllm_bi.ops.rotary import apply_rotary
+
+    if args or kwargs.get("offsets") is not None:
+        raise NotImplementedError("vllm_bi: rotary embedding with offsets is not batch-invariant yet")
+    return apply_rotary(
+        positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim, self.is_neox_style
+    )
+
+
+def _patch_layers(cpu: bool) -> None:
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    names = ("forward_native", "forward_cpu") if cpu else ("forward_native",)
+    for name in names:
+        _patch(GemmaRMSNorm, name, _gemma_rms_forward)
+        _patch(RMSNorm, name, _rms_forward)
+        _patch(RMSNormGated, name, _gated_rms_forward)
+    if cpu:
+        _patch(SiluAndMul, "forward_cpu", _silu_mul_forward)
+        _patch(RotaryEmbedding, "forward_cpu", _rotary_forward)
+
+
+# --------------------------------------------------------------------------- MoE (CPU)
+
+
+def _experts_apply(
+    self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+    expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+    apply_router_weight_on_input,
+):
+    from vllm_bi.ops.moe import moe_experts
+
+    if expert_map is not None:
+        raise NotImplementedError("vllm_bi: expert parallelism is not batch-invariant yet")
+    if str(getattr(activation, "name", activation)).upper() not in ("SILU",):
+        raise NotImplementedError(f"vllm_bi: MoE activation {activation} is not batch-invariant yet")
+    output.copy_(moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input))
+
+
+def _patch_moe_cpu() -> None:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    from vllm_bi.ops.moe import softmax_topk
+
+    _patch(CPUUnquantizedExperts, "_supports_batch_invariance", staticmethod(lambda: True))
+    _patch(CPUUnquantizedExperts, "process_weights_after_loading", _keep_weight)
+    _patch(CPUUnquantizedExperts, "apply", _experts_apply)
+    _patch(cpu_router, "_softmax_topk", softmax_topk)
+
+
+# --------------------------------------------------------------------------- sampling (CPU)
+
+
+class BIGenerator(torch.Generator):
+    """A per-request CPU generator whose draws are keyed by (seed, draw index).
+
+    vLLM rewinds a request's generator with ``set_offset(get_offset() - 4)``
+    when a step's sample is discarded (partial prefill). CPU generators have no
+    offset; this one counts draws instead (4 offset units per draw, as on
+    CUDA), and :func:`_random_sample` seeds a fresh generator from
+    ``(seed, index)`` for each draw, so the noise for output token i is the
+    same however the prompt was chunked or batched.
+    """
+
+    def __init__(self, seed: int):
+        super().__init__(device="cpu")
+        self.manual_seed(seed)
+        self.bi_seed = int(seed)
+        self.bi_draws = 0
+
+    def get_offset(self) -> int:
+        return 4 * self.bi_draws
+
+    def set_offset(self, offset: int) -> None:
+        self.bi_draws = int(offset) // 4
+
+    def next_draw_generator(self) -> torch.Generator:
+        g = torch.Generator(device="cpu")
+        g.manual_seed((self.bi_seed * 1_000_003 + self.bi_draws) % (2**63))
+        self.bi_draws += 1
+        return g
+
+
+def _random_sample(probs, generators, use_fp64_gumbel: bool = False):
+    from vllm.v1.sample.ops import topk_topp_sampler as tts
+
+    q = tts.empty_exponential_noise_like(probs, use_fp64_gumbel)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for i, gen in generators.items():
+        if isinstance(gen, BIGenerator):
+            q[i].exponential_(generator=gen.next_draw_generator())
+        else:
+            q[i].exponential_(generator=gen)
+    return tts.sample_with_exponential_noise(probs, q)
+
+
+def _wrap_update_states(orig):
+    @functools.wraps(orig)
+    def _update_states(self, scheduler_output):
+        result = orig(self, scheduler_output)
+        for idx, gen in list(self.input_batch.generators.items()):
+            if isinstance(gen, BIGenerator):
+                continue
+            req_id = self.input_batch.req_ids[idx]
+            state = self.requests.get(req_id)
+            seed = getattr(getattr(state, "sampling_params", None), "seed", None)
+            if seed is None:
+                continue
+            bi = BIGenerator(seed)
+            self.input_batch.generators[idx] = bi
+            state.generator = bi
+        return result
+
+    _update_states._vllm_bi = True
+    return _update_states
+
+
+def _patch_sampling_cpu() -> None:
+    from vllm.v1.sample.ops import topk_topp_sampler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    _patch(topk_topp_sampler, "random_sample", _random_sample)
+    if not getattr(CPUModelRunner._update_states, "_vllm_bi", False):
+        _patch(CPUModelRunner, "_update_states", _wrap_update_states(CPUModelRunner._update_states))
+
+
+def _compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    from vllm_bi.ops.softmax import log_softmax
+
+    return log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def _patch_logprobs() -> None:
+    from vllm.v1.sample.sampler import Sampler
+
+    _patch(Sampler, "compute_logprobs", staticmethod(_compute_logprobs))
+
+
+# --------------------------------------------------------------------------- model audit (CPU)
+
+
+def _wrap_load_model(orig):
+    @functools.wraps(orig)
+    def load_model(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        from vllm_bi.model_executor.audit import audit_model
+
+        audit_model(self.model)
+        return result
+
+    load_model._vllm_bi = True
+    return load_model
+
+
+def _patch_audit_cpu() -> None:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if not getattr(CPUModelRunner.load_model, "_vllm_bi", False):
+        _patch(CPUModelRunner, "load_model", _wrap_load_model(CPUModelRunner.load_model))
+
+
+# --------------------------------------------------------------------------- entry
+
+
+_APPLIED = False
+
+
+def apply_all() -> list[str]:
+    """Apply every patch for the current platform (idempotent). Returns the ledger of patched symbols."""
+    global _APPLIED
+    if _APPLIED:
+        return PATCHED
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    if not cpu and os.environ.get("VLLM_BI_ALLOW_UNVERIFIED_DEVICE") != "1":
+        raise RuntimeError(
+            f"vllm_bi: batch invariance is implemented for the CPU build of vLLM only in this release; "
+            f"the current platform is {current_platform.device_name!r}. Unset VLLM_BATCH_INVARIANT "
+            "to run stock vLLM."
+        )
+    _patch_engine_args()
+    _patch_gdn()
+    _patch_layers(cpu)
+    _patch_logprobs()
+    if cpu:
+        _patch_cpu_overrides()
+        _patch_linear()
+        _patch_moe_cpu()
+        _patch_sampling_cpu()
+        _patch_audit_cpu()
+    _APPLIED = True
+    return PATCHED

@@ -1,0 +1,63 @@
+"""MoE router and experts, batch-invariant.
+
+Router (Qwen3-Next / Qwen3.5-MoE: softmax top-k, renormalised): the router
+logits come from :func:`vllm_bi.ops.linear.bi_linear` — the same bits whether
+the caller batches tokens as a bmm or an mm — then top-k per token and a
+softmax over the k selected logits.
+
+Experts: every (token, expert) pair is ``down(silu_mul(gate_up(x)))`` through
+:func:`bi_linear`, whose result for a row does not depend on which other rows
+share the GEMM; the k expert outputs of a token are summed in fp32 in the
+order of its top-k list, then rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_bi.ops.activation import silu_mul
+from vllm_bi.ops.linear import bi_linear
+from vllm_bi.ops.softmax import logsumexp, softmax
+
+__all__ = ["softmax_topk", "moe_experts"]
+
+
+def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights fp32 [T, k], ids int32 [T, k])`` from ``router_logits [T, E]``."""
+    vals, ids = torch.topk(router_logits, k=top_k, dim=-1, sorted=True)
+    if renormalize:
+        w = softmax(vals.float(), dim=-1)
+    else:
+        w = torch.exp(vals.float() - logsumexp(router_logits.float()))
+    return w.to(torch.float32), ids.to(torch.int32)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype."""
+    T, k = topk_ids.shape
+    out32 = torch.zeros((T, w2.shape[1]), dtype=torch.float32)
+    if T == 0:
+        return out32.to(x.dtype)
+    ids = topk_ids.long()
+    per_slot = torch.zeros((T, k, w2.shape[1]), dtype=torch.float32)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok]
+        if apply_router_weight_on_input:
+            xe = (xe.float() * topk_weights[tok, slot].unsqueeze(-1)).to(x.dtype)
+        h = silu_mul(bi_linear(xe, w13[e]))
+        y = bi_linear(h, w2[e])
+        if not apply_router_weight_on_input:
+            per_slot[tok, slot] = y.float() * topk_weights[tok, slot].float().unsqueeze(-1)
+        else:
+            per_slot[tok, slot] = y.float()
+    for j in range(k):
+        out32 = out32 + per_slot[:, j]
+    return out32.to(x.dtype)

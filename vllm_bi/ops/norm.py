@@ -1,0 +1,70 @@
+"""RMSNorm variants with per-row reductions from :mod:`vllm_bi.ops.reduce`.
+
+The arithmetic follows vLLM 0.32's native implementations (``ir.ops.rms_norm``,
+``ir.ops.fused_add_rms_norm``, ``RMSNormGated.forward_static``): fp32 math,
+one rounding to the input dtype at the end. Only the reduction is replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from vllm_bi.ops.reduce import row_mean
+
+__all__ = ["rms_norm", "fused_add_rms_norm", "gated_rms_norm"]
+
+
+def _normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
+    return x32 * torch.rsqrt(row_mean(x32 * x32) + eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` (weight is applied in its own dtype, then cast back to x.dtype).
+
+    For Gemma-style norms pass ``weight = w.float() + 1``.
+    """
+    out = _normalize(x.to(torch.float32), eps)
+    if weight is not None:
+        out = out.to(weight.dtype) * weight
+    return out.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (fp32, rounded to x.dtype as the new residual); returns ``(rms_norm(h), h)``."""
+    h32 = x.to(torch.float32) + residual.to(torch.float32)
+    new_residual = h32.to(x.dtype)
+    out = _normalize(h32, eps)
+    if weight is not None:
+        out = out.to(weight.dtype) * weight
+    return out.to(x.dtype), new_residual
+
+
+def gated_rms_norm(
+    x: torch.Tensor,
+    z: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    norm_before_gate: bool = True,
+    activation: str = "silu",
+    group_size: int | None = None,
+) -> torch.Tensor:
+    """GDN output norm: ``rms_norm(x) * weight * act(z)`` (or ``rms_norm(x * act(z)) * weight``)."""
+    if activation not in ("silu", "swish", "sigmoid"):
+        raise ValueError(f"gated_rms_norm: unsupported activation {activation!r}")
+    act = torch.sigmoid if activation == "sigmoid" else F.silu
+    orig = x.dtype
+    x32 = x.to(torch.float32)
+    z32 = None if z is None else z.to(torch.float32)
+    if z32 is not None and not norm_before_gate:
+        x32 = x32 * act(z32)
+    if group_size is None:
+        out = _normalize(x32, eps) * weight.to(torch.float32)
+    else:
+        g = x32.reshape(*x32.shape[:-1], -1, group_size)
+        out = _normalize(g, eps).reshape(x32.shape) * weight.to(torch.float32)
+    if z32 is not None and norm_before_gate:
+        out = out * act(z32)
+    return out.to(orig)

