@@ -35,12 +35,55 @@ BATCH_INVARIANT_LAYERS: dict[str, str] = {
     "RMSNormGated": "ops.norm.gated_rms_norm",
     "SiluAndMul": "ops.activation.silu_mul",
     "RotaryEmbedding": "ops.rotary.apply_rotary",
+    "ApplyRotaryEmb": "never called: ops.rotary replaces RotaryEmbedding's forward",
     # mixers
     "QwenGatedDeltaNetAttention": "model_executor.gdn.bi_gdn_forward",
-    "Attention": "CPU_ATTN; batch/split/path invariance covered by the P1-P3 tests",
+    "Attention": "CPU_ATTN impl routed to ops.attention.causal_attention (checked below)",
     # MoE
-    "FusedMoE": "experts via ops.moe (CPUUnquantizedExperts patched), router ops.moe.softmax_topk",
-    "SharedFusedMoE": "as FusedMoE",
+    "ChunkGatedDeltaRule": "never called: bi_gdn_forward replaces the path that uses it",
+    "MoERunner": "routing via ops.moe.softmax_topk, shared expert via the layers above",
+    "RoutedExperts": "experts via ops.moe.moe_experts (checked below)",
+    "UnquantizedFusedMoEMethod": "holder of the experts kernel checked under RoutedExperts",
+}
+
+
+def _check_routed_experts(m: torch.nn.Module) -> str | None:
+    from vllm_bi.model_executor.patches import _experts_apply
+
+    qm = getattr(m, "quant_method", None)
+    kernel = getattr(qm, "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None or getattr(type(experts), "apply", None) is not _experts_apply:
+        return f"experts kernel {type(experts).__name__} is not vllm_bi's"
+    return None
+
+
+def _check_dispatch(m: torch.nn.Module) -> str | None:
+    """A patched custom op must dispatch to vllm_bi's forward (a subclass may override it)."""
+    fm = getattr(m, "_forward_method", None)
+    fn = getattr(fm, "__func__", fm)
+    if getattr(fn, "__module__", "") != "vllm_bi.model_executor.patches":
+        return f"dispatches to {getattr(fn, '__qualname__', fn)}, not to vllm_bi"
+    return None
+
+
+def _check_attention(m: torch.nn.Module) -> str | None:
+    from vllm_bi.model_executor.attention import bi_cpu_attn_forward
+
+    impl = getattr(m, "impl", None)
+    if getattr(type(impl), "forward", None) is not bi_cpu_attn_forward:
+        return f"attention backend impl {type(impl).__name__} is not vllm_bi's"
+    return None
+
+
+_EXTRA_CHECKS = {
+    "Attention": _check_attention,
+    "RoutedExperts": _check_routed_experts,
+    "GemmaRMSNorm": _check_dispatch,
+    "RMSNorm": _check_dispatch,
+    "RMSNormGated": _check_dispatch,
+    "SiluAndMul": _check_dispatch,
+    "RotaryEmbedding": _check_dispatch,
 }
 
 _ALLOWED_QUANT_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod", "UnquantizedFusedMoEMethod"}
@@ -74,6 +117,11 @@ def audit_model(model: torch.nn.Module) -> dict[str, int]:
         qm = getattr(m, "quant_method", None)
         if qm is not None and type(qm).__name__ not in _ALLOWED_QUANT_METHODS:
             problems.append(f"{name} ({type(m).__name__} with {type(qm).__name__})")
+            continue
+        check = _EXTRA_CHECKS.get(known)
+        reason = check(m) if check else None
+        if reason:
+            problems.append(f"{name} ({type(m).__name__}: {reason})")
             continue
         seen[type(m).__name__] = seen.get(type(m).__name__, 0) + 1
     if problems:

@@ -32,6 +32,9 @@ symbol                                          why / how
 ``_update_states``                              prompt is chunked kills the engine. -> per-request
                                                 generator keyed by (seed, draw index), rewindable.
 ``Sampler.compute_logprobs``                    -> ``ops.softmax.log_softmax`` (the trainer's function).
+``CPUAttentionBackendImpl.forward`` /        stock kernel packs the cache per ISA and tiles by batch (and
+``do_kv_cache_update`` (CPU)                    died with SIGILL under BI on AVX2). -> ``ops.attention``
+                                                over a plain [blocks, Hkv, block, 2D] cache layout.
 ``CPUModelRunner.load_model``                   after loading, refuse any module type vllm_bi has not made
                                                 batch-invariant.
 ==============================================  ===========================================================
@@ -210,6 +213,15 @@ def _patch_layers(cpu: bool) -> None:
         _patch(RotaryEmbedding, "forward_cpu", _rotary_forward)
 
 
+def _patch_attention_cpu() -> None:
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_bi.model_executor.attention import bi_cpu_attn_forward, bi_cpu_kv_cache_update
+
+    _patch(CPUAttentionBackendImpl, "forward", bi_cpu_attn_forward)
+    _patch(CPUAttentionBackendImpl, "do_kv_cache_update", bi_cpu_kv_cache_update)
+
+
 # --------------------------------------------------------------------------- MoE (CPU)
 
 
@@ -253,8 +265,10 @@ class BIGenerator(torch.Generator):
     same however the prompt was chunked or batched.
     """
 
+    def __new__(cls, seed: int):
+        return super().__new__(cls, "cpu")
+
     def __init__(self, seed: int):
-        super().__init__(device="cpu")
         self.manual_seed(seed)
         self.bi_seed = int(seed)
         self.bi_draws = 0
@@ -364,7 +378,9 @@ def apply_all() -> list[str]:
         return PATCHED
     from vllm.platforms import current_platform
 
-    cpu = current_platform.is_cpu()
+    # Processes that never run the model (e.g. the model-inspection subprocess) may see an
+    # unspecified platform; only an accelerator platform is refused.
+    cpu = not (current_platform.is_cuda_alike() or current_platform.is_xpu())
     if not cpu and os.environ.get("VLLM_BI_ALLOW_UNVERIFIED_DEVICE") != "1":
         raise RuntimeError(
             f"vllm_bi: batch invariance is implemented for the CPU build of vLLM only in this release; "
@@ -379,6 +395,7 @@ def apply_all() -> list[str]:
         _patch_cpu_overrides()
         _patch_linear()
         _patch_moe_cpu()
+        _patch_attention_cpu()
         _patch_sampling_cpu()
         _patch_audit_cpu()
     _APPLIED = True
