@@ -32,15 +32,12 @@ def _unsupported(impl) -> str | None:
 def bi_cpu_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
     num_blocks, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
-    flat = kv_cache.permute(0, 2, 1, 3).reshape(num_blocks * block_size, hkv, two_d)
     n = slot_mapping.shape[0]
     slots = slot_mapping.long()
     valid = slots >= 0
     rows = torch.cat([key[:n].view(n, hkv, d), value[:n].view(n, hkv, d)], dim=-1).to(kv_cache.dtype)
-    # write through a view of the cache (permute+reshape of a contiguous tensor copies, so index directly)
     blk, off = slots[valid] // block_size, slots[valid] % block_size
     kv_cache[blk, :, off, :] = rows[valid]
-    del flat
 
 
 def bi_cpu_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,

@@ -28,9 +28,9 @@ symbol                                          why / how
 ``CPUUnquantizedExperts`` + ``cpu_router._softmax_topk``
                                                 stock CPU experts are not BI (MoE backend refused).
                                                 -> ``ops.moe`` with unpacked weights.
-``topk_topp_sampler.random_sample`` + runner    CPU generators have no offset: a seeded request whose
-``_update_states``                              prompt is chunked kills the engine. -> per-request
-                                                generator keyed by (seed, draw index), rewindable.
+``topk_topp_sampler.random_sample``,           CPU generators have no offset: a seeded request whose
+``TopKTopPSampler.forward_cpu``, runner         prompt is chunked kills the engine. -> per-request
+``_update_states``                              generator keyed by (seed, draw index), rewindable.
 ``Sampler.compute_logprobs``                    -> ``ops.softmax.log_softmax`` (the trainer's function).
 ``CPUAttentionBackendImpl.forward`` /        stock kernel packs the cache per ISA and tiles by batch (and
 ``do_kv_cache_update`` (CPU)                    died with SIGILL under BI on AVX2). -> ``ops.attention``
@@ -300,6 +300,31 @@ def _random_sample(probs, generators, use_fp64_gumbel: bool = False):
     return tts.sample_with_exponential_noise(probs, q)
 
 
+def _draw_seed(gen: torch.Generator) -> int:
+    g = gen.next_draw_generator() if isinstance(gen, BIGenerator) else gen
+    return int(torch.randint(0, 2**31, (1,), generator=g, dtype=torch.long).item())
+
+
+def _sampler_forward_cpu(self, logits, generators, k, p):
+    """vLLM's CPU Gumbel-max sampler, with each seeded request's noise seed drawn by (seed, draw index)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    if self.use_fp64_gumbel:
+        raise NotImplementedError("vllm_bi: --use-fp64-gumbel is not supported under batch invariance on CPU")
+    logits = apply_top_k_top_p(logits, k, p)
+    to_return = None
+    if self.logprobs_mode == "processed_logits":
+        to_return = logits
+    elif self.logprobs_mode == "processed_logprobs":
+        from vllm_bi.ops.softmax import log_softmax
+
+        to_return = log_softmax(logits, dim=-1, dtype=torch.float32)
+    seeds = torch.randint(0, 2**31, (logits.shape[0],), dtype=torch.long)
+    for i, gen in generators.items():
+        seeds[i] = _draw_seed(gen)
+    return torch.ops._C.fused_gumbel_argmax(logits.to(torch.float32), seeds), to_return
+
+
 def _wrap_update_states(orig):
     @functools.wraps(orig)
     def _update_states(self, scheduler_output):
@@ -326,6 +351,7 @@ def _patch_sampling_cpu() -> None:
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     _patch(topk_topp_sampler, "random_sample", _random_sample)
+    _patch(topk_topp_sampler.TopKTopPSampler, "forward_cpu", _sampler_forward_cpu)
     if not getattr(CPUModelRunner._update_states, "_vllm_bi", False):
         _patch(CPUModelRunner, "_update_states", _wrap_update_states(CPUModelRunner._update_states))
 

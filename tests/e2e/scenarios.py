@@ -1,0 +1,97 @@
+"""Request scenarios for the serving parity tests: run once per server, compare across servers.
+
+Every prompt is a list of token ids drawn from a fixed seed, so two servers
+(or a BI and a stock server) receive exactly the same requests.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from vllm_bi.testing.server import Completion, VllmServer
+
+MAX_TOKENS = 16
+SEEDED = {"temperature": 1.0, "seed": 4242}
+GREEDY = {"temperature": 0.0}
+
+
+def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+@dataclass
+class Prompts:
+    targets: dict[str, list[int]]
+    shared_prefix_a: list[int]
+    shared_prefix_b: list[int]
+    others: list[list[list[int]]]  # per busy batch: the other prompts
+
+
+def make_prompts(vocab: int = 1024, seed: int = 0, prefix_len: int = 800) -> Prompts:
+    rng = random.Random(seed)
+    targets = {"short": _ids(rng, 23, vocab), "medium": _ids(rng, 97, vocab), "long": _ids(rng, 301, vocab)}
+    prefix = _ids(rng, prefix_len, vocab)
+    a = prefix + _ids(rng, 17, vocab)
+    b = prefix + _ids(rng, 29, vocab)
+    others = []
+    for _ in range(6):
+        k = rng.randint(1, 15)
+        others.append([_ids(rng, rng.randint(5, 260), vocab) for _ in range(k)])
+    return Prompts(targets, a, b, others)
+
+
+@dataclass
+class Results:
+    alone: dict = field(default_factory=dict)  # (target, mode) -> Completion
+    busy: dict = field(default_factory=dict)  # (target, mode, batch index) -> Completion
+    prefix_b: dict = field(default_factory=dict)  # mode -> Completion of prompt b after a warmed the cache
+    prefix_hits: float = 0.0
+    rescored: dict = field(default_factory=dict)  # (target, mode) -> Completion with prompt_logprobs
+
+
+def run_scenarios(srv: VllmServer, prompts: Prompts, modes: dict[str, dict], busy: bool = True,
+                  prefix: bool = True, rescore: bool = True) -> Results:
+    res = Results()
+    for mode, kw in modes.items():
+        for name, ids in prompts.targets.items():
+            res.alone[(name, mode)] = srv.complete(ids, max_tokens=MAX_TOKENS, **kw)
+    if busy:
+        names = list(prompts.targets)
+        for bi, others in enumerate(prompts.others):
+            name = names[bi % len(names)]
+            for mode, kw in modes.items():
+                reqs = [dict(prompt_ids=prompts.targets[name], max_tokens=MAX_TOKENS, **kw)]
+                reqs += [dict(prompt_ids=o, max_tokens=MAX_TOKENS, **kw) for o in others]
+                res.busy[(name, mode, bi)] = srv.complete_many(reqs)[0]
+    if prefix:
+        hits0 = srv.metric_sum("vllm:prefix_cache_hits_total")
+        for mode, kw in modes.items():
+            srv.complete(prompts.shared_prefix_a, max_tokens=MAX_TOKENS, **kw)
+            res.prefix_b[mode] = srv.complete(prompts.shared_prefix_b, max_tokens=MAX_TOKENS, **kw)
+        res.prefix_hits = srv.metric_sum("vllm:prefix_cache_hits_total") - hits0
+    if rescore:
+        for (name, mode), c in res.alone.items():
+            res.rescored[(name, mode)] = srv.complete(c.prompt_ids + c.token_ids, max_tokens=1, prompt_logprobs=True)
+    return res
+
+
+def same(a: Completion, b: Completion) -> bool:
+    """Identical token ids and bit-identical logprobs (Python floats from JSON are the fp32 values)."""
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def p3_pairs(res: Results):
+    """(decode logprobs, prompt_logprobs of the same tokens) per rescored request."""
+    for key, c in res.alone.items():
+        r = res.rescored[key]
+        n = len(c.prompt_ids)
+        yield key, c.logprobs, r.prompt_logprobs[n : n + len(c.token_ids)]
+
+
+def describe_diff(a: Completion, b: Completion) -> str:
+    n = min(len(a.logprobs), len(b.logprobs))
+    eq = sum(x == y for x, y in zip(a.logprobs[:n], b.logprobs[:n]))
+    first = next((i for i in range(n) if a.logprobs[i] != b.logprobs[i] or a.token_ids[i] != b.token_ids[i]), None)
+    md = max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])), default=0.0)
+    return f"{eq}/{n} logprobs equal, first mismatch at {first}, max |diff| {md:.3g}, tokens same: {a.token_ids == b.token_ids}"

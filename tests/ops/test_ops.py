@@ -1,0 +1,135 @@
+"""Op library: batch invariance by exact equality, correctness against float64 references.
+
+Each invariance check has a negative control: the stock torch op it replaces
+(or a bf16 state) must differ on the same case, so a silently disabled path fails.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_bi.ops import bi_linear, gated_rms_norm, log_softmax, moe_experts, rms_norm, row_sum, softmax, softmax_topk
+from vllm_bi.ops.attention import causal_attention
+
+torch.manual_seed(0)
+
+
+def _rows_invariant(fn, x, sizes):
+    full = fn(x)
+    for m in sizes:
+        part = fn(x[:m])
+        if not torch.equal(part[0], full[0]) or not torch.equal(part[m - 1], full[m - 1]):
+            return False
+    return True
+
+
+# ----------------------------------------------------------------------------- GEMM
+@pytest.mark.parametrize("N,K", [(1024, 512), (8, 256), (1000, 300)])
+def test_bi_linear_batch_invariant_and_correct(N, K):
+    x = torch.randn(300, K).bfloat16()
+    w = (torch.randn(N, K) * 0.05).bfloat16()
+    assert _rows_invariant(lambda t: bi_linear(t, w), x, [1, 2, 3, 7, 16, 33, 299])
+    ref = (x.double() @ w.double().T).to(torch.bfloat16)
+    # exact accumulation, one rounding: equal to the correctly rounded float64 product
+    assert torch.equal(bi_linear(x, w), ref)
+
+
+def test_bi_linear_negative_control_torch_fp32_linear_varies():
+    w, x = torch.randn(1024, 512), torch.randn(300, 512)
+    assert not _rows_invariant(lambda t: F.linear(t, w), x, [1, 2, 3, 7, 16, 33, 299])
+
+
+def test_bi_linear_out_dtype_and_bias():
+    x, w, b = torch.randn(5, 64).bfloat16(), torch.randn(32, 64).bfloat16(), torch.randn(32)
+    y = bi_linear(x, w, b, out_dtype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x.double() @ w.double().T + b.double(), rtol=0, atol=1e-5, check_dtype=False)
+
+
+# ----------------------------------------------------------------------------- reductions, softmax
+def test_row_sum_long_row_invariant_and_negative_control():
+    x = torch.randn(8, 100_000)
+    assert torch.equal(row_sum(x[:1]), row_sum(x)[:1])
+    assert not torch.equal(x[:1].sum(-1), x.sum(-1)[:1]), "torch.sum single long row == batched: control broken"
+    torch.testing.assert_close(row_sum(x).double().squeeze(-1), x.double().sum(-1), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("V", [1024, 151_936])
+def test_log_softmax_and_softmax(V):
+    x = (torch.randn(17, V) * 3).bfloat16()
+    for fn in (lambda t: log_softmax(t, -1, torch.float32), lambda t: softmax(t, -1, torch.float32)):
+        assert _rows_invariant(fn, x, [1, 2, 5, 16])
+    ref = torch.log_softmax(x.double(), -1)
+    torch.testing.assert_close(log_softmax(x, -1, torch.float32).double(), ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(softmax(x, -1, torch.float32).double(), ref.exp(), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- norms
+def test_rms_norms():
+    x = torch.randn(200, 4096).bfloat16()
+    w = torch.randn(4096) * 0.1 + 1
+    assert _rows_invariant(lambda t: rms_norm(t, w, 1e-6), x, [1, 3, 64])
+    ref = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(rms_norm(x, w, 1e-6).double(), ref, rtol=1e-2, atol=1e-2)  # bf16 output
+    xg, z = torch.randn(50, 2, 128).bfloat16(), torch.randn(50, 2, 128).bfloat16()
+    wg = torch.randn(128) * 0.1 + 1
+    assert _rows_invariant(lambda t: gated_rms_norm(t, z[: t.shape[0]], wg, 1e-6), xg, [1, 7])
+    refg = (xg.double() / torch.sqrt(xg.double().pow(2).mean(-1, keepdim=True) + 1e-6)) * wg.double()
+    refg = refg * F.silu(z.double())
+    torch.testing.assert_close(gated_rms_norm(xg, z, wg, 1e-6).double(), refg, rtol=1e-2, atol=2e-2)
+
+
+def test_torch_mean_negative_control():
+    x = torch.randn(64, 151_936)
+    assert not torch.equal(x[:1].mean(-1), x.mean(-1)[:1])
+
+
+# ----------------------------------------------------------------------------- attention
+def _ref_attention(q, k, v, positions, scale):
+    H, Hkv = q.shape[1], k.shape[1]
+    k, v = k.double().repeat_interleave(H // Hkv, 1), v.double().repeat_interleave(H // Hkv, 1)
+    out = []
+    for i, p in enumerate(positions):
+        s = torch.einsum("hd,lhd->hl", q[i].double(), k[: p + 1]) * scale
+        out.append(torch.einsum("hl,lhd->hd", s.softmax(-1), v[: p + 1]))
+    return torch.stack(out)
+
+
+def test_causal_attention_correct_and_position_invariant():
+    L, H, Hkv, D = 70, 4, 2, 64
+    q, k, v = (torch.randn(L, n, D).bfloat16() for n in (H, Hkv, Hkv))
+    scale = D**-0.5
+    full = causal_attention(q, k, v, list(range(L)), scale)
+    torch.testing.assert_close(full.double(), _ref_attention(q, k, v, range(L), scale), rtol=0, atol=2e-2)
+    # a decode (one query) and a split prefill (second half) equal the one-shot prefill bit for bit
+    for p in (0, 15, 16, 17, 40, 69):
+        assert torch.equal(causal_attention(q[p : p + 1], k[: p + 1], v[: p + 1], [p], scale)[0], full[p])
+    assert torch.equal(causal_attention(q[35:], k, v, list(range(35, L)), scale), full[35:])
+
+
+def test_sdpa_negative_control():
+    q, k, v = (torch.randn(1, 2, 50, 64) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    last = F.scaled_dot_product_attention(q[:, :, 29:30], k[:, :, :30], v[:, :, :30])
+    assert not torch.equal(full[:, :, 29:30], last)
+
+
+# ----------------------------------------------------------------------------- MoE
+def test_moe_experts_token_invariant_and_correct():
+    T, Hd, I, E, k = 40, 128, 64, 8, 2
+    x = torch.randn(T, Hd).bfloat16()
+    w13 = (torch.randn(E, 2 * I, Hd) * 0.05).bfloat16()
+    w2 = (torch.randn(E, Hd, I) * 0.05).bfloat16()
+    logits = bi_linear(x, (torch.randn(E, Hd) * 0.1).bfloat16())
+    tw, ti = softmax_topk(logits, k, True)
+    full = moe_experts(x, w13, w2, tw, ti)
+    for m in (1, 5, 39):
+        assert torch.equal(moe_experts(x[:m], w13, w2, tw[:m], ti[:m]), full[:m])
+    ref = torch.zeros(T, Hd, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ti[t, j])
+            h = x[t].double() @ w13[e].double().T
+            h = F.silu(h[:I]) * h[I:]
+            ref[t] += tw[t, j].double() * (h @ w2[e].double().T)
+    torch.testing.assert_close(full.double(), ref, rtol=0, atol=3e-2)

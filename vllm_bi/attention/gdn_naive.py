@@ -1,0 +1,40 @@
+"""Float64 reference for the GDN layer core (the math :mod:`gdn_recurrent` must match).
+
+Written independently of :func:`vllm_bi.attention.gdn_recurrent.gdn_recurrent`:
+explicit per-head loops, matrix-vector products, float64 throughout. Used only
+by tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["naive_gdn", "naive_causal_conv1d"]
+
+
+def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
+    """``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``; state ``[HV, V, K]`` -> (o [T, HV, V], state), float64."""
+    q, k, v, state = q.double(), k.double(), v.double(), state.double().clone()
+    T, H, K = q.shape
+    HV = v.shape[1]
+    g = -torch.exp(A_log.double()) * torch.log1p(torch.exp(a.double() + dt_bias.double()))
+    beta = 1.0 / (1.0 + torch.exp(-b.double()))
+    o = torch.zeros(T, HV, v.shape[2], dtype=torch.float64)
+    for t in range(T):
+        for h in range(HV):
+            hk = h // (HV // H)
+            qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
+            kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
+            S = state[h] * torch.exp(g[t, h])
+            S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
+            state[h] = S
+            o[t, h] = S @ qt
+    return o, state
+
+
+def naive_causal_conv1d(x, weight, conv_state):
+    """``x [T, D]``, ``weight [D, W]``, ``conv_state [W-1, D]`` -> silu(conv) ``[T, D]`` float64."""
+    xe = torch.cat([conv_state.double(), x.double()], 0)
+    W = weight.shape[1]
+    y = torch.stack([(xe[t : t + W].T * weight.double()).sum(-1) for t in range(x.shape[0])])
+    return y * torch.sigmoid(y)
