@@ -34,3 +34,31 @@ def check_p3(res, label: str) -> int:
         assert dec == pre, f"{label}: P3 broken for {key}: decode {dec[:4]} vs prompt_logprobs {pre[:4]}"
         n += len(dec)
     return n
+
+
+def hf_reference_check(model_path: str, res, label: str) -> None:
+    """Served prompt logprobs vs HF transformers in float32 on the same weights (correctness, not parity).
+
+    Tolerance for a bf16 model against an fp32 reference: median |diff| < 0.01 and
+    >= 90% of positions within 0.05 (MoE routing can flip on near-ties between bf16
+    and fp32 router logits, which moves a few positions further).
+    """
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_path)
+    model = getattr(transformers, cfg.architectures[0]).from_pretrained(model_path, dtype=torch.float32)
+    diffs = []
+    for key, r in list(res.rescored.items())[:3]:
+        ids = r.prompt_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        for i in range(1, len(ids)):
+            diffs.append(abs(lp[i - 1, ids[i]].item() - r.prompt_logprobs[i]))
+    diffs.sort()
+    median = diffs[len(diffs) // 2]
+    within = sum(d < 0.05 for d in diffs) / len(diffs)
+    assert median < 0.01 and within >= 0.9, (
+        f"{label}: served logprobs disagree with HF transformers fp32: median {median:.4f}, "
+        f"{within:.0%} within 0.05, max {diffs[-1]:.4f}"
+    )

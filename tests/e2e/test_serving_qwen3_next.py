@@ -68,3 +68,9 @@ def test_p3_negative_control_stock_differs(runs):
     assert any(dec != pre for _, dec, pre in p3_pairs(runs["stock_large"])), (
         "stock vLLM's decode logprobs equal its prompt_logprobs everywhere: the P3 test cannot fail here"
     )
+
+
+def test_served_model_matches_transformers(runs, tiny_model_path):
+    from parity_suite import hf_reference_check
+
+    hf_reference_check(tiny_model_path(FAMILY), runs["bi_large"], FAMILY)

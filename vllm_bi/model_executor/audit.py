@@ -38,6 +38,7 @@ BATCH_INVARIANT_LAYERS: dict[str, str] = {
     "ApplyRotaryEmb": "never called: ops.rotary replaces RotaryEmbedding's forward",
     # mixers
     "QwenGatedDeltaNetAttention": "model_executor.gdn.bi_gdn_forward",
+    "Qwen2MoeMLP": "container: gate_up GEMM, SiluAndMul, down GEMM",
     "Attention": "CPU_ATTN impl routed to ops.attention.causal_attention (checked below)",
     # MoE
     "ChunkGatedDeltaRule": "never called: bi_gdn_forward replaces the path that uses it",

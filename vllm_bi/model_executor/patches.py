@@ -35,6 +35,9 @@ symbol                                          why / how
 ``CPUAttentionBackendImpl.forward`` /        stock kernel packs the cache per ISA and tiles by batch (and
 ``do_kv_cache_update`` (CPU)                    died with SIGILL under BI on AVX2). -> ``ops.attention``
                                                 over a plain [blocks, Hkv, block, 2D] cache layout.
+``ModelRegistry`` Qwen3_5ForCausalLM,         vLLM's qwen3_5.py imports the vision tower (torchvision,
+``Qwen3_5MoeForCausalLM``                       unusable with CPU torch). -> text-only classes in
+                                                ``models/qwen3_5_text.py`` from Qwen3-Next's layers.
 ``CPUModelRunner.load_model``                   after loading, refuse any module type vllm_bi has not made
                                                 batch-invariant.
 ==============================================  ===========================================================
@@ -122,6 +125,22 @@ def _patch_gdn() -> None:
     for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu"):
         if hasattr(QwenGatedDeltaNetAttention, name):
             _patch(QwenGatedDeltaNetAttention, name, bi_gdn_forward)
+
+
+# --------------------------------------------------------------------------- models
+
+QWEN3_5_TEXT = {
+    "Qwen3_5ForCausalLM": "vllm_bi.model_executor.models.qwen3_5_text:Qwen3_5TextForCausalLM",
+    "Qwen3_5MoeForCausalLM": "vllm_bi.model_executor.models.qwen3_5_text:Qwen3_5MoeTextForCausalLM",
+}
+
+
+def _register_models() -> None:
+    from vllm import ModelRegistry
+
+    for arch, path in QWEN3_5_TEXT.items():
+        ModelRegistry.register_model(arch, path)
+        PATCHED.append(f"registry: {arch} -> {path}")
 
 
 # --------------------------------------------------------------------------- CPU op library routing
@@ -415,6 +434,7 @@ def apply_all() -> list[str]:
         )
     _patch_engine_args()
     _patch_gdn()
+    _register_models()
     _patch_layers(cpu)
     _patch_logprobs()
     if cpu:
