@@ -26,8 +26,8 @@ CUDA: not implemented in this release (fails loudly).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "causal_conv1d"]
@@ -39,15 +39,15 @@ def gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; both fp32 ``[T, HV]``."""
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b.float())
+    g = -pointwise.exp(A_log.float()) * pointwise.softplus(a.float() + dt_bias.float())
+    beta = pointwise.sigmoid(b.float())
     return g, beta
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
     """``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, fp32."""
     x = x.float()
-    return x * torch.rsqrt(row_sum(x * x) + L2NORM_EPS)
+    return x * pointwise.rsqrt(row_sum(x * x) + L2NORM_EPS)
 
 
 def gdn_recurrent(
@@ -83,7 +83,7 @@ def gdn_recurrent(
         qn = qn.repeat_interleave(rep, dim=1)
         kn = kn.repeat_interleave(rep, dim=1)
     v32 = v.float()
-    decay = torch.exp(g.float())
+    decay = pointwise.exp(g.float())
     beta = beta.float()
     S = state.clone()
     out = torch.empty((T, HV, V), dtype=torch.float32)
@@ -116,7 +116,7 @@ def causal_conv1d(
     for j in range(1, W):
         acc = acc + xe[j : j + T] * w32[:, j]
     if activation in ("silu", "swish"):
-        acc = F.silu(acc)
+        acc = pointwise.silu(acc)
     elif activation is not None:
         raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
     return acc.to(x.dtype), x_ext[-(W - 1) :].clone()

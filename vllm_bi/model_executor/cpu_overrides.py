@@ -4,7 +4,9 @@ Stock vLLM registers Triton kernels for ``aten::mean.dim``, ``_log_softmax``,
 ``softmax``, ``_softmax``, ``bmm`` on ``current_platform.dispatch_key`` — the
 CPU key on CPU, where Triton has no backend, so every ``x.mean(-1)`` raises
 ``'function' object is not subscriptable``. On CPU vllm_bi registers these
-instead, each routed to the op library (row-wise reductions, exact GEMM).
+instead, each routed to the op library (row-wise reductions, exact GEMM),
+plus ``sigmoid``/``silu`` through :mod:`vllm_bi.ops.pointwise` (stock CPU
+kernels round the vectorised body and the scalar tail differently).
 
 This is a safety net for code paths vllm_bi does not replace explicitly; the
 replaced layers call :mod:`vllm_bi.ops` directly.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 from vllm_bi.ops.softmax import log_softmax, softmax
@@ -59,6 +62,22 @@ def _bmm_out(a, b, *, out):
     return out
 
 
+def _sigmoid(x):
+    return pointwise.sigmoid(x).to(x.dtype)
+
+
+def _silu(x):
+    return pointwise.silu(x).to(x.dtype)
+
+
+def _sigmoid_(x):
+    return x.copy_(_sigmoid(x))
+
+
+def _silu_(x):
+    return x.copy_(_silu(x))
+
+
 def enable_cpu_batch_invariant_mode() -> None:
     """Register the CPU overrides (idempotent)."""
     global _LIB
@@ -71,6 +90,11 @@ def enable_cpu_batch_invariant_mode() -> None:
     lib.impl("aten::_softmax", _softmax, "CPU")
     lib.impl("aten::bmm", _bmm, "CPU")
     lib.impl("aten::bmm.out", _bmm_out, "CPU")
+    # model code calls torch.sigmoid / F.silu directly (attention output gate, shared-expert gate)
+    lib.impl("aten::sigmoid", _sigmoid, "CPU")
+    lib.impl("aten::silu", _silu, "CPU")
+    lib.impl("aten::sigmoid_", _sigmoid_, "CPU")
+    lib.impl("aten::silu_", _silu_, "CPU")
     _LIB = lib
 
 

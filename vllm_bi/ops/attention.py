@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = ["causal_attention", "bucket_len"]
@@ -73,7 +74,7 @@ def causal_attention(
             mask = key_idx.view(1, 1, B) > pos.view(-1, 1, 1)
             s = s.masked_fill(mask, float("-inf"))
             m = torch.amax(s, dim=-1, keepdim=True)
-            e = torch.exp(s - m)  # masked -> exactly 0
+            e = pointwise.exp(s - m)  # masked -> exactly 0
             denom = row_sum(e)  # [r, H, 1]
             num = row_sum(e.unsqueeze(2) * vt.unsqueeze(0))  # [r, H, D, 1]
             out[idx] = (num.squeeze(-1) / denom).to(q.dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.softmax import logsumexp, softmax
@@ -28,7 +29,7 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     if renormalize:
         w = softmax(vals.float(), dim=-1)
     else:
-        w = torch.exp(vals.float() - logsumexp(router_logits.float()))
+        w = pointwise.exp(vals.float() - logsumexp(router_logits.float()))
     return w.to(torch.float32), ids.to(torch.int32)
 
 

@@ -8,15 +8,15 @@ one rounding to the input dtype at the end. Only the reduction is replaced.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_mean
 
 __all__ = ["rms_norm", "fused_add_rms_norm", "gated_rms_norm"]
 
 
 def _normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
-    return x32 * torch.rsqrt(row_mean(x32 * x32) + eps)
+    return x32 * pointwise.rsqrt(row_mean(x32 * x32) + eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -54,7 +54,7 @@ def gated_rms_norm(
     """GDN output norm: ``rms_norm(x) * weight * act(z)`` (or ``rms_norm(x * act(z)) * weight``)."""
     if activation not in ("silu", "swish", "sigmoid"):
         raise ValueError(f"gated_rms_norm: unsupported activation {activation!r}")
-    act = torch.sigmoid if activation == "sigmoid" else F.silu
+    act = pointwise.sigmoid if activation == "sigmoid" else pointwise.silu
     orig = x.dtype
     x32 = x.to(torch.float32)
     z32 = None if z is None else z.to(torch.float32)

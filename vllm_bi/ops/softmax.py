@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = ["softmax", "log_softmax", "logsumexp"]
@@ -25,7 +26,7 @@ def logsumexp(x32: torch.Tensor) -> torch.Tensor:
     """``log(sum(exp(x)))`` over the last dim of an fp32 tensor, keepdim."""
     m = torch.amax(x32, dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return m + torch.log(row_sum(torch.exp(x32 - m)))
+    return m + pointwise.log(row_sum(pointwise.exp(x32 - m)))
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
@@ -44,7 +45,7 @@ def softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = None) ->
     x32 = x.to(torch.float32)
     m = torch.amax(x32, dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(x32 - m)
+    e = pointwise.exp(x32 - m)
     out = e / row_sum(e)
     if moved:
         out = out.transpose(dim, -1)

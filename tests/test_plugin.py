@@ -1,0 +1,115 @@
+"""Plugin registration, refusal paths and the CPU console-script fix (no engine start needed, except one CLI run)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_bi.plugin import UnsupportedVllmVersion, check_vllm_version
+
+PY = sys.executable
+
+
+def _run(code: str, bi: bool, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, VLLM_BATCH_INVARIANT="1" if bi else "0")
+    return subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_version_check():
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    assert check_vllm_version("0.32.1+cpu") == "0.32.1+cpu"
+    for bad in ("0.31.2", "0.33.0", "1.0.0", "garbage"):
+        with pytest.raises(UnsupportedVllmVersion, match=r"supports vLLM 0\.32\.x, but vLLM .* is installed"):
+            check_vllm_version(bad)
+
+
+def test_plugin_changes_nothing_without_batch_invariance():
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+        "from vllm.model_executor.layers.linear import UnquantizedLinearMethod as U\n"
+        "from vllm_bi.model_executor import patches\n"
+        "assert patches.PATCHED == [], patches.PATCHED\n"
+        "assert U.apply.__module__ == 'vllm.model_executor.layers.linear', U.apply.__module__\n"
+        "print('untouched')\n"
+    )
+    r = _run(code, bi=False)
+    assert r.returncode == 0 and "untouched" in r.stdout, r.stderr[-3000:]
+
+
+def test_plugin_loads_through_vllm_and_reports_gdn_invariance():
+    code = (
+        "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
+        "from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E\n"
+        "from vllm.v1.attention.selector import _cached_get_mamba_attn_backend\n"
+        "from vllm_bi.model_executor import patches\n"
+        "b = _cached_get_mamba_attn_backend(E.GDN_ATTN)\n"
+        "assert b.__name__ == 'BIGDNAttentionBackend' and b.supports_batch_invariance()\n"
+        "print(len(patches.PATCHED))\n"
+    )
+    r = _run(code, bi=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.strip().splitlines()[-1]) >= 20
+
+
+def test_stock_vllm_refuses_gdn_without_the_plugin_patch():
+    """Negative control for the backend registration: vLLM's own GDN backend refuses BI."""
+    code = (
+        "import vllm.envs as envs\n"
+        "from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E\n"
+        "from vllm.v1.attention.selector import _cached_get_mamba_attn_backend\n"
+        "_cached_get_mamba_attn_backend(E.GDN_ATTN)\n"
+    )
+    env = dict(os.environ, VLLM_BATCH_INVARIANT="1", VLLM_PLUGINS="none")
+    r = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "not supported for GDN_ATTN" in r.stderr
+
+
+def test_explicit_bf16_state_cache_is_refused(tiny_model_path):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={tiny_model_path('qwen3-next')!r}, mamba_ssm_cache_dtype='bfloat16').create_engine_config()\n"
+    )
+    r = _run(code, bi=True)
+    assert r.returncode != 0
+    assert "--mamba-ssm-cache-dtype float32" in r.stderr and "'bfloat16'" in r.stderr
+
+
+def test_speculative_decoding_is_refused(tiny_model_path):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={tiny_model_path('qwen3-next')!r}, speculative_config="
+        "{'method': 'ngram', 'num_speculative_tokens': 2, 'prompt_lookup_max': 3}).create_engine_config()\n"
+    )
+    r = _run(code, bi=True)
+    assert r.returncode != 0 and "speculative decoding is not batch-invariant" in r.stderr
+
+
+def test_auto_state_cache_becomes_float32(tiny_model_path):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"c = EngineArgs(model={tiny_model_path('qwen3-next')!r}).create_engine_config()\n"
+        "print(c.cache_config.mamba_ssm_cache_dtype, c.model_config.enforce_eager)\n"
+    )
+    r = _run(code, bi=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "float32 True"
+
+
+def test_audit_refuses_unknown_layers():
+    from vllm_bi.model_executor.audit import UnsupportedLayerError, audit_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    with pytest.raises(UnsupportedLayerError, match=r"0 \(Linear\), 1 \(LayerNorm\)"):
+        audit_model(model)
+    assert audit_model(torch.nn.Sequential(torch.nn.Identity())) == {}
+
+
+def test_vllm_console_script_works_on_the_cpu_build():
+    exe = shutil.which("vllm", path=os.path.dirname(PY))
+    assert exe, "the vllm console script is missing"
+    r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith("0.32")
