@@ -208,13 +208,14 @@ def _silu_mul_forward(self, x):
 
 
 def _rotary_forward(self, positions, query, key=None, *args, **kwargs):
-    from vllm_bi.ops.rotary import apply_rotary
+    from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 
     if args or kwargs.get("offsets") is not None:
         raise NotImplementedError("vllm_bi: rotary embedding with offsets is not batch-invariant yet")
-    return apply_rotary(
-        positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim, self.is_neox_style
-    )
+    if type(self).__name__ != "RotaryEmbedding":
+        raise NotImplementedError(f"vllm_bi: {type(self).__name__} is not batch-invariant yet")
+    cache = rope_cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
+    return apply_rotary(positions, query, key, cache, self.head_size, self.rotary_dim, self.is_neox_style)
 
 
 def _patch_layers(cpu: bool) -> None:

@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rotary"]
+__all__ = ["apply_rotary", "rope_cos_sin_cache"]
+
+_CACHE: dict = {}
+
+
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float) -> torch.Tensor:
+    """``[max_position, rotary_dim]`` fp32 table of ``cos | sin`` (default RoPE), memoised.
+
+    The server and the trainer both take the table from here, so they rotate by the same bits.
+    """
+    key = (int(rotary_dim), int(max_position), float(base))
+    if key not in _CACHE:
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+        freqs = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        _CACHE[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
+    return _CACHE[key]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:
