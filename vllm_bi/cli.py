@@ -80,13 +80,25 @@ def _cmd_demo(args) -> int:
             n_eq = sum(a == b for a, b in zip(alone.logprobs, busy.logprobs))
             rows.append((label, alone, busy, same_tok, n_eq))
             ok &= same_tok and n_eq == len(alone.logprobs)
+    stock_row = None
+    if args.compare_stock:
+        print("[+] the same greedy request on stock vLLM (VLLM_BATCH_INVARIANT=0: the plugin is inactive)", flush=True)
+        from vllm_bi.testing.server import cpu_env
+
+        with VllmServer(model, batch_invariant=False, env=cpu_env(False), args=server_args + ["--enforce-eager"]) as srv:
+            alone = srv.complete(prompt, max_tokens=args.max_tokens)
+            reqs = [dict(prompt_ids=prompt, max_tokens=args.max_tokens)]
+            reqs += [dict(prompt_ids=o, max_tokens=args.max_tokens) for o in others]
+            busy = srv.complete_many(reqs)[0]
+            stock_row = ("stock vLLM, greedy", alone, busy, alone.token_ids == busy.token_ids,
+                         sum(a == b for a, b in zip(alone.logprobs, busy.logprobs)))
     print("[4/4] results")
-    for label, alone, busy, same_tok, n_eq in rows:
+    for label, alone, busy, same_tok, n_eq in rows + ([stock_row] if stock_row else []):
         print(f"  {label}")
         print(f"    alone : tokens {_fmt(alone.token_ids)} logprobs {_fmt(alone.logprobs)}")
         print(f"    busy  : tokens {_fmt(busy.token_ids)} logprobs {_fmt(busy.logprobs)}")
         print(f"    token ids identical: {same_tok}; logprobs bitwise equal: {n_eq}/{len(alone.logprobs)}")
-    print("PASS: batch-invariant" if ok else "FAIL: the request changed with the batch")
+    print("PASS: batch-invariant with vllm_bi" if ok else "FAIL: the request changed with the batch under vllm_bi")
     return 0 if ok else 1
 
 
@@ -106,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-num-batched-tokens", type=int, default=32,
                    help="engine token budget per step; small values split prompts (default 32)")
     d.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default 0)")
+    d.add_argument("--no-compare-stock", dest="compare_stock", action="store_false",
+                   help="skip the same greedy request on stock vLLM (plugin inactive) for contrast")
     d.set_defaults(fn=_cmd_demo)
 
     m = sub.add_parser("make-model", help="write a small random-weight GDN hybrid and tokenizer")

@@ -62,3 +62,56 @@ def hf_reference_check(model_path: str, res, label: str) -> None:
         f"{label}: served logprobs disagree with HF transformers fp32: median {median:.4f}, "
         f"{within:.0%} within 0.05, max {diffs[-1]:.4f}"
     )
+
+
+def _unique_completions(*results):
+    seen, out = set(), []
+    for res in results:
+        for c in list(res.alone.values()) + list(res.busy.values()) + list(res.prefix_b.values()):
+            key = (tuple(c.prompt_ids), tuple(c.token_ids))
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
+    return out
+
+
+def trainer_logprobs(model, completions, pack: int = 16):
+    """The trainer's logprob of every sampled token, sequences packed ``pack`` at a time."""
+    import torch
+
+    got = []
+    for i in range(0, len(completions), pack):
+        group = completions[i : i + pack]
+        seqs = [c.prompt_ids + c.token_ids for c in group]
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        with torch.no_grad():
+            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s]), cu)
+        for j, c in enumerate(group):
+            n = len(c.prompt_ids)
+            got.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
+    return got
+
+
+def check_p4(model_path: str, label: str, *results) -> int:
+    """Trainer (vllm_bi's own model, same op library) == server logprobs for every sampled token.
+
+    Also: the trainer's result for a sequence is identical packed with 15 others or alone.
+    """
+    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+
+    model = GDNHybridForCausalLM.from_pretrained(model_path)
+    comps = _unique_completions(*results)
+    got = trainer_logprobs(model, comps, pack=16)
+    n = 0
+    for c, mine in zip(comps, got):
+        bad = [i for i, (a, b) in enumerate(zip(mine, c.logprobs)) if a != b]
+        assert not bad, (
+            f"{label}: P4 broken: {len(bad)}/{len(mine)} tokens differ, first at {bad[0]}: "
+            f"trainer {mine[bad[0]]!r} vs server {c.logprobs[bad[0]]!r}"
+        )
+        n += len(mine)
+    alone = trainer_logprobs(model, comps[:1], pack=1)[0]
+    assert alone == got[0], f"{label}: trainer result changed between packing 1 and 16 sequences"
+    return n

@@ -47,3 +47,9 @@ def test_p3_decode_equals_prefill(runs):
 
 def test_served_model_matches_transformers(runs):
     hf_reference_check(runs["model"], runs["bi_large"], runs["family"])
+
+
+def test_p4_trainer_equals_server(runs):
+    from parity_suite import check_p4
+
+    assert check_p4(runs["model"], runs["family"], runs["bi_small"], runs["bi_large"]) >= 100

@@ -74,3 +74,23 @@ def test_served_model_matches_transformers(runs, tiny_model_path):
     from parity_suite import hf_reference_check
 
     hf_reference_check(tiny_model_path(FAMILY), runs["bi_large"], FAMILY)
+
+
+def test_p4_trainer_equals_server(runs, tiny_model_path):
+    from parity_suite import check_p4
+
+    assert check_p4(tiny_model_path(FAMILY), FAMILY, runs["bi_small"], runs["bi_large"]) >= 100
+
+
+def test_p4_negative_control_stock_gemm_in_trainer_differs(runs, tiny_model_path, monkeypatch):
+    """The same trainer with torch's own bf16 GEMM in place of bi_linear must not match the server."""
+    import torch.nn.functional as F
+    from parity_suite import _unique_completions, trainer_logprobs
+
+    import vllm_bi.model_executor.models.hybrid as hybrid
+
+    monkeypatch.setattr(hybrid, "bi_linear", lambda x, w, b=None, out_dtype=None: F.linear(x, w, b))
+    model = hybrid.GDNHybridForCausalLM.from_pretrained(tiny_model_path(FAMILY))
+    comps = _unique_completions(runs["bi_small"])[:4]
+    got = trainer_logprobs(model, comps)
+    assert any(a != b for c, mine in zip(comps, got) for a, b in zip(mine, c.logprobs))
