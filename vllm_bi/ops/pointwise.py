@@ -13,6 +13,10 @@ ATen's vectorised loop does not take: each element goes through the same
 scalar code path whatever the tensor's size or the element's offset.
 ``rsqrt`` is ``1 / sqrt`` (both IEEE correctly rounded in SIMD and scalar).
 All functions compute in fp32 (or fp64 for fp64 inputs) and return that dtype.
+
+Gradients: ``exp``, ``log`` and ``log1p`` carry their analytic backward (a
+``torch.autograd.Function``); the others are compositions of those with
+differentiable torch ops, so autograd differentiates them as written.
 """
 
 from __future__ import annotations
@@ -38,16 +42,53 @@ def _scalar_path(fn, x: torch.Tensor) -> torch.Tensor:
     return out.contiguous()
 
 
+class _Exp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        y = _scalar_path(torch.exp, x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class _Log(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _scalar_path(torch.log, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / x.to(g.dtype)
+
+
+class _Log1p(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _scalar_path(torch.log1p, x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g / (1.0 + x.to(g.dtype))
+
+
 def exp(x: torch.Tensor) -> torch.Tensor:
-    return _scalar_path(torch.exp, x)
+    return _Exp.apply(x)
 
 
 def log(x: torch.Tensor) -> torch.Tensor:
-    return _scalar_path(torch.log, x)
+    return _Log.apply(x)
 
 
 def log1p(x: torch.Tensor) -> torch.Tensor:
-    return _scalar_path(torch.log1p, x)
+    return _Log1p.apply(x)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
