@@ -2,6 +2,7 @@
 
     vllm-bi demo         serve a built-in small GDN model with VLLM_BATCH_INVARIANT=1 and show that a
                          request's tokens and logprobs are identical alone and in a busy batch
+    vllm-bi parity       sample from a BI server, recompute with the trainer model, report bitwise equality
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
     vllm-bi info         versions, and whether the plugin is installed where vLLM finds it
 """
@@ -102,6 +103,27 @@ def _cmd_demo(args) -> int:
     return 0 if ok else 1
 
 
+def _cmd_parity(args) -> int:
+    from vllm_bi.parity import load_prompts, run_parity
+
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    report = run_parity(
+        model=args.model,
+        server_url=args.server,
+        prompts=load_prompts(args.prompts),
+        n=args.n,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        temperature=args.temperature,
+        trainer=args.trainer,
+        trainer_model=args.trainer_model,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        log=log,
+    )
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-bi", description="vllm_bi: batch-invariant vLLM for GDN hybrids")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -122,6 +144,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the same greedy request on stock vLLM (plugin inactive) for contrast")
     d.set_defaults(fn=_cmd_demo)
 
+    pa = sub.add_parser(
+        "parity",
+        help="sample from a batch-invariant server and check the trainer's logprobs equal the server's bit for bit",
+        description="Sample completions from a VLLM_BATCH_INVARIANT=1 server (started here unless --server is "
+        "given), recompute every sampled token's logprob with the trainer model, print a table. "
+        "Exit status 0 only when every token is bitwise equal.",
+    )
+    pa.add_argument("--model", required=True, help="local HF checkpoint directory (served and loaded by the trainer)")
+    pa.add_argument("--server", default=None, help="URL of a running BI server serving --model (default: start one)")
+    pa.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": "..."} per line (default: 8 built-in)')
+    pa.add_argument("--n", type=int, default=4, help="samples per prompt (default 4)")
+    pa.add_argument("--max-tokens", type=int, default=32, help="tokens per sample (default 32)")
+    pa.add_argument("--seed", type=int, default=0, help="base sampling seed (default 0)")
+    pa.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    pa.add_argument("--trainer", default="vllm_bi", choices=["vllm_bi", "hf"],
+                    help="recompute with vllm_bi's trainer model (default) or HF transformers bf16 (the usual stack)")
+    pa.add_argument("--trainer-model", default=None, help="checkpoint the trainer loads (default: --model)")
+    pa.add_argument("--max-num-batched-tokens", type=int, default=64,
+                    help="token budget of the server this command starts (default 64: prompts get split)")
+    pa.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    pa.set_defaults(fn=_cmd_parity)
+
     m = sub.add_parser("make-model", help="write a small random-weight GDN hybrid and tokenizer")
     m.add_argument("family", choices=["qwen3-next", "qwen3.5", "qwen3.5-moe"])
     m.add_argument("out", help="output directory")
@@ -135,8 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"vllm-bi {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ class VllmServer:
 
     def complete(
         self,
-        prompt_ids: list[int],
+        prompt_ids: list[int] | str,
         max_tokens: int = 16,
         temperature: float = 0.0,
         seed: int | None = None,
@@ -175,7 +175,7 @@ class VllmServer:
         prompt_logprobs: bool = False,
         ignore_eos: bool = True,
     ) -> Completion:
-        """One /v1/completions request with token ids in and out, and the sampled tokens' logprobs."""
+        """One /v1/completions request (token ids or text in, token ids out) with the sampled tokens' logprobs."""
         body = {
             "model": self.model,
             "prompt": prompt_ids,
@@ -193,6 +193,10 @@ class VllmServer:
         if prompt_logprobs:
             body["prompt_logprobs"] = 0
         ch = self._post("/v1/completions", body)["choices"][0]
+        if isinstance(prompt_ids, str):
+            prompt_ids = list(ch.get("prompt_token_ids") or [])
+            if not prompt_ids:
+                raise RuntimeError("server did not return prompt_token_ids (needs return_token_ids support)")
         token_ids = list(ch["token_ids"])
         lps = [float(x) for x in ch["logprobs"]["token_logprobs"]]
         if len(lps) != len(token_ids):

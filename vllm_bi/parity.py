@@ -1,0 +1,193 @@
+"""``vllm-bi parity``: exonerate the infrastructure — do the trainer's logprobs equal the server's?
+
+Samples completions from a batch-invariant vLLM server (one it starts, or one
+already running), sends them all at once so they share busy batches,
+recomputes every sampled token's logprob with the trainer-side model
+(:class:`vllm_bi.model_executor.models.hybrid.GDNHybridForCausalLM`), and
+reports how many are bitwise equal. Exit status 0 only when all are.
+
+``--trainer hf`` recomputes with HF transformers instead (bf16, fp32
+log-softmax): the usual stack, for comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+__all__ = ["ParityReport", "run_parity", "DEFAULT_PROMPTS", "load_prompts"]
+
+DEFAULT_PROMPTS = [
+    "the quick red fox ran over the river and",
+    "one two three four five six",
+    "if the sun is up then the moon",
+    "read the book page by page because",
+    "12 + 7 = 19 and 30 + 4 =",
+    "the cat sat near the door while the dog",
+    "first think step by step, then answer the question:",
+    "build a small house with a blue window and a",
+]
+
+
+def load_prompts(path: str | None) -> list[str]:
+    if path is None:
+        return list(DEFAULT_PROMPTS)
+    prompts = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e}); expected one {{\"prompt\": ...}} per line") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                raise ValueError(f"{path}:{i}: expected an object with a string \"prompt\" field")
+            prompts.append(obj["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+@dataclass
+class ParityReport:
+    model: str
+    trainer: str
+    sequences: int
+    tokens: int
+    bitwise_equal: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    first_mismatch: dict | None
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens > 0 and self.bitwise_equal == self.tokens
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["fraction_bitwise_equal"] = self.bitwise_equal / self.tokens if self.tokens else 0.0
+        d["pass"] = self.ok
+        return json.dumps(d)
+
+    def table(self) -> str:
+        pct = 100.0 * self.bitwise_equal / self.tokens if self.tokens else 0.0
+        fm = "none"
+        if self.first_mismatch:
+            m = self.first_mismatch
+            fm = (f"sequence {m['sequence']} (prompt {m['prompt']}, sample {m['sample']}), token {m['position']}: "
+                  f"server {m['server']!r} vs trainer {m['trainer']!r}")
+        rows = [
+            ("model", self.model),
+            ("trainer", self.trainer),
+            ("sequences", str(self.sequences)),
+            ("tokens compared", str(self.tokens)),
+            ("bitwise equal", f"{self.bitwise_equal} ({pct:.2f}%)"),
+            ("max |diff|", f"{self.max_abs_diff:.6g}"),
+            ("mean |diff|", f"{self.mean_abs_diff:.6g}"),
+            ("first mismatch", fm),
+            ("result", "PASS: trainer == server, bit for bit" if self.ok else "FAIL"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
+
+
+def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress):
+    import torch
+
+    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+
+    model = GDNHybridForCausalLM.from_pretrained(model_dir)
+    out = []
+    for i in progress(range(0, len(completions), pack)):
+        group = completions[i : i + pack]
+        seqs = [c.prompt_ids + c.token_ids for c in group]
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        with torch.no_grad():
+            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s]), cu)
+        for j, c in enumerate(group):
+            n = len(c.prompt_ids)
+            out.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
+    return out
+
+
+def _recompute_hf(model_dir: str, completions, pack: int, progress):
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    model = getattr(transformers, cfg.architectures[0]).from_pretrained(model_dir, dtype=torch.bfloat16)
+    out = []
+    for c in progress(completions):
+        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+        n = len(c.prompt_ids)
+        out.append([lp[n - 1 + k, t].item() for k, t in enumerate(c.token_ids)])
+    return out
+
+
+def run_parity(
+    model: str,
+    server_url: str | None = None,
+    prompts: list[str] | None = None,
+    n: int = 4,
+    max_tokens: int = 32,
+    seed: int = 0,
+    temperature: float = 1.0,
+    trainer: str = "vllm_bi",
+    trainer_model: str | None = None,
+    max_num_batched_tokens: int = 64,
+    show_progress: bool = True,
+    log=print,
+) -> ParityReport:
+    from tqdm import tqdm
+
+    from vllm_bi.testing.server import VllmServer
+
+    if trainer not in ("vllm_bi", "hf"):
+        raise ValueError(f"--trainer must be vllm_bi or hf, not {trainer!r}")
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"--model {model!r} is not a directory (a local HF checkpoint is needed for the trainer)")
+    prompts = prompts or list(DEFAULT_PROMPTS)
+    reqs = [
+        dict(prompt_ids=p, max_tokens=max_tokens, temperature=temperature, seed=seed + 1000 * pi + k)
+        for pi, p in enumerate(prompts)
+        for k in range(n)
+    ]
+
+    def sample(srv):
+        log(f"sampling {len(reqs)} completions ({len(prompts)} prompts x n={n}, {max_tokens} tokens, "
+            f"T={temperature}) from {srv.url}, all in flight at once")
+        return srv.complete_many(reqs)
+
+    if server_url:
+        srv = VllmServer(model, args=[])
+        srv.url = server_url.rstrip("/")
+        completions = sample(srv)
+    else:
+        log("starting VLLM_BATCH_INVARIANT=1 vllm serve (about a minute on 2 CPU cores)")
+        with VllmServer(model, args=["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"]) as srv:
+            completions = sample(srv)
+
+    def progress(it):
+        return tqdm(it, desc=f"recomputing with the {trainer} trainer", disable=not show_progress)
+
+    recompute = _recompute_vllm_bi if trainer == "vllm_bi" else _recompute_hf
+    mine = recompute(trainer_model or model, completions, 8, progress)
+    tokens = equal = 0
+    max_d = sum_d = 0.0
+    first = None
+    for si, (c, got) in enumerate(zip(completions, mine)):
+        for pos, (a, b) in enumerate(zip(c.logprobs, got)):
+            tokens += 1
+            d = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+            equal += a == b
+            max_d, sum_d = max(max_d, d), sum_d + d
+            if a != b and first is None:
+                first = {"sequence": si, "prompt": si // n, "sample": si % n, "position": pos, "server": a, "trainer": b}
+    return ParityReport(model, trainer, len(completions), tokens, equal, max_d, sum_d / max(tokens, 1), first)
