@@ -14,6 +14,7 @@ from vllm_bi.testing.server import Completion, VllmServer
 MAX_TOKENS = 16
 SEEDED = {"temperature": 1.0, "seed": 4242}
 GREEDY = {"temperature": 0.0}
+SEEDED_T07 = {"temperature": 0.7, "seed": 777}
 
 
 def _ids(rng: random.Random, n: int, vocab: int) -> list[int]:

@@ -136,3 +136,14 @@ def test_moe_experts_token_invariant_and_correct():
             h = F.silu(h[:I]) * h[I:]
             ref[t] += tw[t, j].double() * (h @ w2[e].double().T)
     torch.testing.assert_close(full.double(), ref, rtol=0, atol=3e-2)
+
+
+def test_router_gate_same_bits_as_bmm_or_mm():
+    """The MoE router logits are the same bits whether the caller lowers them to mm or to bmm."""
+    from vllm_bi.ops import bi_bmm
+
+    x = torch.randn(37, 256).bfloat16()
+    gate = (torch.randn(64, 256) * 0.05).bfloat16()
+    via_mm = bi_linear(x, gate)
+    via_bmm = bi_bmm(x.unsqueeze(0), gate.t().unsqueeze(0), torch.bfloat16)[0]
+    assert torch.equal(via_mm, via_bmm)

@@ -14,22 +14,25 @@ __all__ = ["naive_gdn", "naive_causal_conv1d"]
 
 def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
     """``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``; state ``[HV, V, K]`` -> (o [T, HV, V], state), float64."""
-    q, k, v, state = q.double(), k.double(), v.double(), state.double().clone()
+    q, k, v = q.double(), k.double(), v.double()
+    S_h = [state[h].double() for h in range(state.shape[0])]  # per-head states, no in-place updates
     T, H, K = q.shape
     HV = v.shape[1]
     g = -torch.exp(A_log.double()) * torch.log1p(torch.exp(a.double() + dt_bias.double()))
     beta = 1.0 / (1.0 + torch.exp(-b.double()))
-    o = torch.zeros(T, HV, v.shape[2], dtype=torch.float64)
+    rows = []
     for t in range(T):
+        o_t = []
         for h in range(HV):
             hk = h // (HV // H)
             qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
             kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
-            S = state[h] * torch.exp(g[t, h])
+            S = S_h[h] * torch.exp(g[t, h])
             S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
-            state[h] = S
-            o[t, h] = S @ qt
-    return o, state
+            S_h[h] = S
+            o_t.append(S @ qt)
+        rows.append(torch.stack(o_t))
+    return torch.stack(rows), torch.stack(S_h)
 
 
 def naive_causal_conv1d(x, weight, conv_state):

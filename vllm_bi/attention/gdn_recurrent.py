@@ -20,7 +20,14 @@ Shapes: ``q, k: [T, H, K]``, ``v: [T, HV, V]``, ``g, beta: [T, HV]`` (fp32),
 
 CPU: plain torch ops whose shapes depend only on (H, HV, K, V), so every
 token of every sequence is computed by the same kernels in the same order.
-CUDA: not implemented in this release (fails loudly).
+
+CUDA (:func:`gdn_recurrent_varlen`): fla-core's ``fused_recurrent_gated_delta_rule``
+over a varlen batch, every sequence given an explicit fp32 initial state (its
+``initial_state=None`` path compiles to different code and gives different bits;
+see ``shared/docs/gpu-measurements.md``), l2norm in the kernel. Measured
+batch-invariant and split-exact on the H200 (``tests/gpu/test_gdn_cuda.py``).
+Its backward recomputes with fla-core's chunked kernel (the recurrent one has
+none); only the forward must match the server.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "causal_conv1d"]
+__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d"]
 
 L2NORM_EPS = 1e-6
 
@@ -95,6 +102,76 @@ def gdn_recurrent(
         S = S + delta.unsqueeze(-1) * k_t
         out[t] = row_sum(S * qn[t].unsqueeze(1)).squeeze(-1)
     return out, S
+
+
+class _FLARecurrentChunkBackward(torch.autograd.Function):
+    """Forward: fla-core fused recurrent (batch-invariant). Backward: fla-core chunked kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0_kv, cu, scale):
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        o, ht = fused_recurrent_gated_delta_rule(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0_kv, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        )
+        ctx.save_for_backward(q, k, v, g, beta, h0_kv, cu)
+        ctx.scale = scale
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        q, k, v, g, beta, h0, cu = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+            o, ht = chunk_gated_delta_rule(
+                q=leaves[0], k=leaves[1], v=leaves[2], g=leaves[3], beta=leaves[4], scale=ctx.scale,
+                initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+            )
+            outs, grads = [o], [do]
+            if dht is not None:
+                outs.append(ht)
+                grads.append(dht)
+            dq, dk, dv, dg, dbeta, dh0 = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        return dq, dk, dv, dg, dbeta, dh0, None, None
+
+
+def gdn_recurrent_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``, ``states [N, HV, V, K]`` fp32.
+
+    Returns ``(o [T, HV, V], final states [N, HV, V, K] fp32)``. ``o`` is fp32 on CPU and
+    ``v.dtype`` on CUDA. Every sequence starts from its explicit state (zeros for a new one).
+    """
+    if states is None or states.dtype != torch.float32:
+        raise ValueError("gdn_recurrent_varlen needs explicit fp32 states (zeros for new sequences)")
+    cu = [int(x) for x in cu_seqlens]
+    if q.is_cuda:
+        K = q.shape[-1]
+        scale = K**-0.5 if scale is None else scale
+        cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
+        h0 = states.transpose(-1, -2).contiguous()  # fla-core keeps [N, HV, K, V]
+        o, ht = _FLARecurrentChunkBackward.apply(
+            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0), h0, cu_t, scale
+        )
+        return o[0], ht.transpose(-1, -2)
+    outs, finals = [], []
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        o, st = gdn_recurrent(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], states[i], scale)
+        outs.append(o)
+        finals.append(st)
+    return torch.cat(outs), torch.stack(finals)
 
 
 def causal_conv1d(

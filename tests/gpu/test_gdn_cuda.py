@@ -1,0 +1,105 @@
+"""GDN recurrence on CUDA (fla-core fused recurrent, explicit fp32 states): invariance by exact
+equality, correctness vs the float64 reference, and the chunked backward vs float64 autograd.
+
+Run on a GPU machine: `pytest -m gpu tests/gpu` (skipped without CUDA or fla-core).
+Tolerances: outputs vs float64 reference 3e-2 absolute (bf16 q/k/v), gradients relative L2 <= 3e-2.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+fla = pytest.importorskip("fla")
+
+from vllm_bi.attention.gdn_naive import naive_gdn  # noqa: E402
+from vllm_bi.attention.gdn_recurrent import gdn_gating, gdn_recurrent_varlen  # noqa: E402
+
+DEV = "cuda"
+H, HV, K, V = 4, 8, 128, 128
+
+
+def _seq(T, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(T, H, K, generator=g).bfloat16()
+    k = torch.randn(T, H, K, generator=g).bfloat16()
+    v = torch.randn(T, HV, V, generator=g).bfloat16()
+    a, b = torch.randn(T, HV, generator=g), torch.randn(T, HV, generator=g)
+    return q, k, v, a, b
+
+
+A_LOG = torch.log(torch.linspace(1, 16, HV))
+DT_BIAS = torch.linspace(-0.5, 0.5, HV)
+
+
+def _run(seqs, states=None):
+    q, k, v, a, b = (torch.cat([s[i] for s in seqs]) for i in range(5))
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + s[0].shape[0])
+    g, beta = gdn_gating(A_LOG.to(DEV), a.to(DEV), b.to(DEV), DT_BIAS.to(DEV))
+    if states is None:
+        states = torch.zeros(len(seqs), HV, V, K, device=DEV)
+    o, ht = gdn_recurrent_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g, beta, states, cu)
+    return o, ht, cu
+
+
+def test_batch_invariant_split_exact_and_decode_exact():
+    seqs = [_seq(T, i) for i, T in enumerate([300, 17, 129, 64, 1])]
+    o_all, h_all, cu = _run(seqs)
+    for i, s in enumerate(seqs):
+        o1, h1, _ = _run([s])
+        assert torch.equal(o1, o_all[cu[i] : cu[i + 1]]) and torch.equal(h1[0], h_all[i])
+    s = seqs[0]
+    for p in (1, 63, 64, 200):
+        oa, ha, _ = _run([tuple(t[:p] for t in s)])
+        ob, hb, _ = _run([tuple(t[p:] for t in s)], states=ha)
+        assert torch.equal(torch.cat([oa, ob]), o_all[:300]) and torch.equal(hb[0], h_all[0])
+    h = torch.zeros(1, HV, V, K, device=DEV)
+    for t in range(40):
+        ot, h, _ = _run([tuple(x[t : t + 1] for x in s)], states=h)
+        assert torch.equal(ot[0], o_all[t])
+
+
+def test_negative_control_fla_initial_state_none_differs_from_zeros():
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    q, k, v, a, b = (t.to(DEV) for t in _seq(500, 7))
+    g, beta = gdn_gating(A_LOG.to(DEV), a, b, DT_BIAS.to(DEV))
+    cu = torch.tensor([0, 500], device=DEV)
+    kw = dict(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None], scale=K**-0.5, output_final_state=True,
+              cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    o_none, _ = fused_recurrent_gated_delta_rule(initial_state=None, **kw)
+    o_zero, _ = fused_recurrent_gated_delta_rule(initial_state=torch.zeros(1, HV, K, V, device=DEV), **kw)
+    assert not torch.equal(o_none, o_zero)
+
+
+def test_matches_float64_reference_and_gradients():
+    q, k, v, a, b = _seq(96, 3)
+    s0 = torch.randn(HV, V, K) * 0.1
+    leaves = [t.to(DEV).float().requires_grad_(True) for t in (q, k, v, a, b)]
+    s0d = s0.to(DEV).requires_grad_(True)
+    g, beta = gdn_gating(A_LOG.to(DEV), leaves[3], leaves[4], DT_BIAS.to(DEV))
+    o, ht = gdn_recurrent_varlen(leaves[0].bfloat16(), leaves[1].bfloat16(), leaves[2].bfloat16(), g, beta,
+                                 s0d[None], [0, 96])
+    ref_leaves = [t.double().requires_grad_(True) for t in (q.float(), k.float(), v.float(), a, b)]
+    s064 = s0.double().requires_grad_(True)
+    o_ref, s_ref = naive_gdn(ref_leaves[0], ref_leaves[1], ref_leaves[2], A_LOG, ref_leaves[3], ref_leaves[4],
+                             DT_BIAS, s064)
+    torch.testing.assert_close(o.double().cpu(), o_ref, rtol=0, atol=3e-2)
+    torch.testing.assert_close(ht[0].double().cpu(), s_ref, rtol=0, atol=3e-2)
+    w = torch.randn(o.shape)
+    try:
+        (o.float() * w.to(DEV)).sum().backward()
+    except RuntimeError as e:
+        if "Triton >= 3.4.0 and < 3.7.1 on Hopper" in str(e):
+            pytest.skip(f"forward checked; backward not runnable here: fla-core refuses its chunked backward: {e}")
+        raise
+    (o_ref * w.double()).sum().backward()
+    for name, mine, ref in zip("q k v a b".split(), leaves, ref_leaves):
+        rel = ((mine.grad.double().cpu() - ref.grad).norm() / ref.grad.norm()).item()
+        assert rel <= 3e-2, f"d/d{name}: relative error {rel:.3e}"
+    rel = ((s0d.grad.double().cpu() - s064.grad).norm() / s064.grad.norm()).item()
+    assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
