@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 
-__all__ = ["ParityReport", "run_parity", "DEFAULT_PROMPTS", "load_prompts"]
+__all__ = ["ParityReport", "run_parity", "trainer_logprobs", "DEFAULT_PROMPTS", "load_prompts"]
 
 DEFAULT_PROMPTS = [
     "the quick red fox ran over the river and",
@@ -94,12 +94,10 @@ class ParityReport:
         return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
-def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress):
+def trainer_logprobs(model, completions, pack: int = 8, progress=lambda it: it) -> list[list[float]]:
+    """The trainer model's logprob of every sampled token of ``completions``, ``pack`` sequences per forward."""
     import torch
 
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-
-    model = GDNHybridForCausalLM.from_pretrained(model_dir)
     out = []
     for i in progress(range(0, len(completions), pack)):
         group = completions[i : i + pack]
@@ -113,6 +111,12 @@ def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress):
             n = len(c.prompt_ids)
             out.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
     return out
+
+
+def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress):
+    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+
+    return trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model_dir), completions, pack, progress)
 
 
 def _recompute_hf(model_dir: str, completions, pack: int, progress):

@@ -75,31 +75,13 @@ def _unique_completions(*results):
     return out
 
 
-def trainer_logprobs(model, completions, pack: int = 16):
-    """The trainer's logprob of every sampled token, sequences packed ``pack`` at a time."""
-    import torch
-
-    got = []
-    for i in range(0, len(completions), pack):
-        group = completions[i : i + pack]
-        seqs = [c.prompt_ids + c.token_ids for c in group]
-        cu = [0]
-        for s in seqs:
-            cu.append(cu[-1] + len(s))
-        with torch.no_grad():
-            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s]), cu)
-        for j, c in enumerate(group):
-            n = len(c.prompt_ids)
-            got.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
-    return got
-
-
 def check_p4(model_path: str, label: str, *results) -> int:
     """Trainer (vllm_bi's own model, same op library) == server logprobs for every sampled token.
 
     Also: the trainer's result for a sequence is identical packed with 15 others or alone.
     """
     from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.parity import trainer_logprobs
 
     model = GDNHybridForCausalLM.from_pretrained(model_path)
     comps = _unique_completions(*results)

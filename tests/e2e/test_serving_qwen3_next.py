@@ -87,9 +87,10 @@ def test_p4_trainer_equals_server(runs, tiny_model_path):
 def test_p4_negative_control_stock_gemm_in_trainer_differs(runs, tiny_model_path, monkeypatch):
     """The same trainer with torch's own bf16 GEMM in place of bi_linear must not match the server."""
     import torch.nn.functional as F
-    from parity_suite import _unique_completions, trainer_logprobs
+    from parity_suite import _unique_completions
 
     import vllm_bi.model_executor.models.hybrid as hybrid
+    from vllm_bi.parity import trainer_logprobs
 
     monkeypatch.setattr(hybrid, "bi_linear", lambda x, w, b=None, out_dtype=None: F.linear(x, w, b))
     model = hybrid.GDNHybridForCausalLM.from_pretrained(tiny_model_path(FAMILY))

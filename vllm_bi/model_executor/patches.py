@@ -174,23 +174,18 @@ def _patch_linear() -> None:
 
 
 def _gemma_rms_forward(self, x, residual=None):
-    from vllm_bi.ops.norm import fused_add_rms_norm, rms_norm
+    from vllm_bi.ops.norm import rms_norm_maybe_residual
 
-    weight = self.weight.float() + 1.0
-    if residual is None:
-        return rms_norm(x, weight, self.variance_epsilon)
-    return fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+    return rms_norm_maybe_residual(x, residual, self.weight.float() + 1.0, self.variance_epsilon)
 
 
 def _rms_forward(self, x, residual=None):
-    from vllm_bi.ops.norm import fused_add_rms_norm, rms_norm
+    from vllm_bi.ops.norm import rms_norm_maybe_residual
 
     if getattr(self, "variance_size_override", None) is not None:
         raise NotImplementedError("vllm_bi: RMSNorm with variance_size_override is not batch-invariant yet")
     weight = self.weight.data if getattr(self, "has_weight", True) else None
-    if residual is None:
-        return rms_norm(x, weight, self.variance_epsilon)
-    return fused_add_rms_norm(x, residual, weight, self.variance_epsilon)
+    return rms_norm_maybe_residual(x, residual, weight, self.variance_epsilon)
 
 
 def _gated_rms_forward(self, x, z=None):

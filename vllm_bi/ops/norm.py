@@ -12,7 +12,7 @@ import torch
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_mean
 
-__all__ = ["rms_norm", "fused_add_rms_norm", "gated_rms_norm"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "rms_norm_maybe_residual", "gated_rms_norm"]
 
 
 def _normalize(x32: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,6 +40,13 @@ def fused_add_rms_norm(
     if weight is not None:
         out = out.to(weight.dtype) * weight
     return out.to(x.dtype), new_residual
+
+
+def rms_norm_maybe_residual(x, residual, weight, eps):
+    """vLLM's norm-layer calling convention: ``rms_norm(x)``, or ``(rms_norm(x + residual), x + residual)``."""
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    return fused_add_rms_norm(x, residual, weight, eps)
 
 
 def gated_rms_norm(

@@ -45,41 +45,27 @@ def _scalar_path(fn, x: torch.Tensor) -> torch.Tensor:
     return out.contiguous()
 
 
-class _Exp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        y = _scalar_path(torch.exp, x)
-        ctx.save_for_backward(y)
-        return y
+def _unary(fn, grad, save_output: bool):
+    """An autograd Function running ``fn`` on the scalar path; ``grad(g, saved)`` is its backward."""
 
-    @staticmethod
-    def backward(ctx, g):
-        (y,) = ctx.saved_tensors
-        return g * y
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            y = _scalar_path(fn, x)
+            ctx.save_for_backward(y if save_output else x)
+            return y
 
+        @staticmethod
+        def backward(ctx, g):
+            (saved,) = ctx.saved_tensors
+            return grad(g, saved.to(g.dtype))
 
-class _Log(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return _scalar_path(torch.log, x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g / x.to(g.dtype)
+    return _Fn
 
 
-class _Log1p(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return _scalar_path(torch.log1p, x)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g / (1.0 + x.to(g.dtype))
+_Exp = _unary(torch.exp, lambda g, y: g * y, save_output=True)
+_Log = _unary(torch.log, lambda g, x: g / x, save_output=False)
+_Log1p = _unary(torch.log1p, lambda g, x: g / (1.0 + x), save_output=False)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:

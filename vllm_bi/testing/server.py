@@ -148,6 +148,16 @@ class VllmServer:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
 
+    def reload_weights(self, weights_path: str, timeout: float = 600.0) -> None:
+        """Load the checkpoint at ``weights_path`` into the running engine in place (no restart).
+
+        Uses vLLM's ``/collective_rpc`` -> worker ``reload_weights``; the server must run with
+        ``VLLM_SERVER_DEV_MODE=1``. Under batch invariance vllm_bi keeps weights unpacked, so the
+        reloaded tensors are used as they are.
+        """
+        body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}, "timeout": timeout}
+        self._post("/collective_rpc", body, timeout=timeout)
+
     def metrics(self) -> dict[str, float]:
         """Prometheus counters/gauges as ``{name{labels}: value}``."""
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:

@@ -29,7 +29,7 @@ from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, softmax_topk
-from vllm_bi.ops.norm import fused_add_rms_norm, gated_rms_norm, rms_norm
+from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 from vllm_bi.ops.softmax import log_softmax
 
@@ -122,10 +122,7 @@ class GemmaNorm(nn.Module):
         self.weight, self.eps = _p(n), eps
 
     def forward(self, x, residual=None):
-        w = self.weight.float() + 1.0
-        if residual is None:
-            return rms_norm(x, w, self.eps)
-        return fused_add_rms_norm(x, residual, w, self.eps)
+        return rms_norm_maybe_residual(x, residual, self.weight.float() + 1.0, self.eps)
 
 
 class Attention(nn.Module):
