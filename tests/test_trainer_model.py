@@ -8,6 +8,8 @@ Measured (2026-11-29): qwen3-next worst cos 0.9997 / rel 2.4%; qwen3.5-moe layer
 rel 10% (2 elements, a sum over all tokens of bf16-noisy terms; MoE routing flips add to it).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -73,3 +75,19 @@ def test_unknown_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ValueError, match="LlamaForCausalLM.*not supported"):
         GDNHybridForCausalLM.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_checkpoint_round_trip(family, tiny_model_path, tmp_path):
+    from safetensors.torch import load_file
+
+    path = tiny_model_path(family)
+    model = GDNHybridForCausalLM.from_pretrained(path)
+    original = load_file(f"{path}/model.safetensors")
+    exported = model.hf_state_dict()
+    assert set(exported) == set(original)
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    out = model.save_pretrained(str(tmp_path / "export"), like=path)
+    again = GDNHybridForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    assert os.path.exists(f"{out}/tokenizer.json") and os.path.exists(f"{out}/config.json")

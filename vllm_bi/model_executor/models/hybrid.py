@@ -112,6 +112,26 @@ class HybridConfig:
         )
 
 
+# Our parameter names are the HF names without the ``model.`` prefix, and without ``.weight`` for
+# raw GEMM weights, conv weights and the GDN output-norm weight (norm modules keep ``.weight``).
+_NO_SUFFIX = ("A_log", "dt_bias")
+
+
+def _hf_name(own: str) -> str:
+    if own.endswith(".weight") or own.endswith(_NO_SUFFIX):
+        name = own
+    else:
+        name = own + ".weight"
+    return name if own == "lm_head" else "model." + name
+
+
+def _own_name(hf: str) -> str:
+    n = hf[len("model."):] if hf.startswith("model.") else hf
+    if n.endswith(".weight") and not (n.endswith("norm.weight") and not n.endswith("linear_attn.norm.weight")):
+        n = n[: -len(".weight")]
+    return n
+
+
 def _p(*shape) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16))
 
@@ -321,16 +341,13 @@ class GDNHybridForCausalLM(nn.Module):
             k = k.replace("model.language_model.", "model.")
             if k.startswith("mtp."):
                 continue
-            n = k[len("model."):] if k.startswith("model.") else k
-            n = n.replace(".weight", "") if (n.endswith(".weight") and not n.endswith("norm.weight")) else n
-            if ".mlp.experts." in n:
-                layer, _, e, proj = n.split(".")[1], None, int(n.split(".")[4]), n.split(".")[5]
-                experts.setdefault(int(layer), {}).setdefault(e, {})[proj] = t
+            parts = k.split(".")
+            if ".mlp.experts." in k:  # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+                experts.setdefault(int(parts[2]), {}).setdefault(int(parts[5]), {})[parts[6]] = t
                 continue
-            if n == "lm_head" and self.lm_head is None:
+            if k == "lm_head.weight" and self.lm_head is None:
                 continue
-            n = n.replace("linear_attn.norm.weight", "linear_attn.norm")
-            n = n.replace(".conv1d", ".conv1d")
+            n = _own_name(k)
             if n not in own:
                 raise KeyError(f"checkpoint tensor {k!r} has no place in the trainer model")
             put(n, t)
@@ -341,6 +358,40 @@ class GDNHybridForCausalLM(nn.Module):
         missing = sorted(set(own) - filled)
         if missing:
             raise KeyError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This model's weights under the HF checkpoint names (the inverse of :meth:`load_hf_state_dict`)."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.named_parameters():
+            t = p.detach()
+            if n.endswith(".mlp.w13") or n.endswith(".mlp.w2"):
+                layer = n.split(".")[1]
+                for e in range(t.shape[0]):
+                    base = f"model.layers.{layer}.mlp.experts.{e}"
+                    if n.endswith("w13"):
+                        gate, up = t[e].chunk(2, dim=0)
+                        out[f"{base}.gate_proj.weight"], out[f"{base}.up_proj.weight"] = gate.clone(), up.clone()
+                    else:
+                        out[f"{base}.down_proj.weight"] = t[e].clone()
+                continue
+            out[_hf_name(n)] = t.clone()
+        return out
+
+    def save_pretrained(self, path: str, like: str) -> str:
+        """Write ``model.safetensors`` (HF names) to ``path``, with config and tokenizer files copied from ``like``."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(like):
+            if not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json"):
+                src = os.path.join(like, name)
+                if os.path.isfile(src):
+                    shutil.copy(src, os.path.join(path, name))
+        save_file({k: v.contiguous() for k, v in self.hf_state_dict().items()},
+                  os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        return path
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor) -> torch.Tensor:
         """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``."""
