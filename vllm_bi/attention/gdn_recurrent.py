@@ -37,7 +37,7 @@ import torch
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d"]
+__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d", "gdn_sequence"]
 
 L2NORM_EPS = 1e-6
 
@@ -197,3 +197,35 @@ def causal_conv1d(
     elif activation is not None:
         raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
     return acc.to(x.dtype), x_ext[-(W - 1) :].clone()
+
+
+def gdn_sequence(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence through the GDN core: short conv, q/k/v split, gating, recurrence.
+
+    The server (``model_executor/gdn.py``) and the trainer model (``models/hybrid.py``) both call
+    this, so their GDN arithmetic is one piece of code. ``mixed_qkv [T, 2*Hk*K + HV*V]`` (model
+    dtype), ``conv_weight [D, W]``, ``conv_state [W-1, D]``, ``a, b [T, HV]``, ``state [HV, V, K]``
+    fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``.
+    """
+    T = mixed_qkv.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    x, new_conv_state = causal_conv1d(mixed_qkv, conv_weight, conv_state, activation)
+    q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim)
+    k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim)
+    v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim)
+    g, beta = gdn_gating(A_log, a, b, dt_bias)
+    o, new_state = gdn_recurrent(q, k, v, g, beta, state)
+    return o, new_conv_state, new_state

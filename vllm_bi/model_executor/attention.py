@@ -30,7 +30,7 @@ def _unsupported(impl) -> str | None:
 
 
 def bi_cpu_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
-    num_blocks, hkv, block_size, two_d = kv_cache.shape
+    _, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
     n = slot_mapping.shape[0]
     slots = slot_mapping.long()
@@ -51,12 +51,11 @@ def bi_cpu_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata,
         raise NotImplementedError(f"vllm_bi: attention with {reason} is not batch-invariant yet")
     if not attn_metadata.causal:
         raise NotImplementedError("vllm_bi: non-causal attention is not batch-invariant yet")
-    num_blocks, hkv, block_size, two_d = kv_cache.shape
+    _, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
     qsl = attn_metadata.query_start_loc.tolist()
     seq_lens = attn_metadata.seq_lens.tolist()
     bt = attn_metadata.block_table
-    H = query.shape[-1] // d if query.dim() == 2 else query.shape[1]
     q_all = query.reshape(query.shape[0], -1, d)
     out_v = output.view(output.shape[0], -1, d)
     for i in range(len(seq_lens)):

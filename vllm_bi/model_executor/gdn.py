@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import causal_conv1d, gdn_gating, gdn_recurrent
+from vllm_bi.attention.gdn_recurrent import gdn_sequence
 
 __all__ = ["BIGDNAttentionBackend", "bi_gdn_forward", "bi_gdn_core"]
 
@@ -93,9 +93,7 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
     weight = layer.conv1d.weight
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
-    key_dim = layer.key_dim // layer.tp_size
-    H, HV = layer.num_k_heads // layer.tp_size, layer.num_v_heads // layer.tp_size
-    K, V = layer.head_k_dim, layer.head_v_dim
+    H = layer.num_k_heads // layer.tp_size
     for i in range(n_dec + n_pre):
         s, e, slot = qsl[i], qsl[i + 1], slots[i]
         if e == s:
@@ -106,12 +104,10 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         else:
             cstate = torch.zeros((weight.shape[-1] - 1, weight.shape[0]), dtype=mixed_qkv.dtype)
             state = torch.zeros_like(ssm_cache[slot])
-        x, new_cstate = causal_conv1d(mixed_qkv[s:e], weight, cstate, layer.activation)
-        q = x[:, :key_dim].reshape(e - s, H, K)
-        k = x[:, key_dim : 2 * key_dim].reshape(e - s, H, K)
-        v = x[:, 2 * key_dim :].reshape(e - s, HV, V)
-        g, beta = gdn_gating(layer.A_log, a[s:e], b[s:e], layer.dt_bias)
-        o, new_state = gdn_recurrent(q, k, v, g, beta, state)
+        o, new_cstate, new_state = gdn_sequence(
+            mixed_qkv[s:e], weight, cstate, layer.A_log, a[s:e], b[s:e], layer.dt_bias, state,
+            H, layer.head_k_dim, layer.head_v_dim, layer.activation,
+        )
         out[s:e] = o.to(out.dtype)
         ssm_cache[slot] = new_state
         if dim_first:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.attention.gdn_recurrent import causal_conv1d, gdn_gating, gdn_recurrent
+from vllm_bi.attention.gdn_recurrent import gdn_sequence
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention
@@ -224,12 +224,10 @@ class GatedDeltaNet(nn.Module):
         core = torch.zeros((T, Hv, V), dtype=x_TD.dtype)
         for i in range(len(cu) - 1):
             s, e = cu[i], cu[i + 1]
-            x, _ = causal_conv1d(mixed[s:e], w, torch.zeros((w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype))
-            q = x[:, : self.key_dim].reshape(e - s, Hk, K)
-            k = x[:, self.key_dim : 2 * self.key_dim].reshape(e - s, Hk, K)
-            v = x[:, 2 * self.key_dim :].reshape(e - s, Hv, V)
-            g, beta = gdn_gating(self.A_log, a[s:e], b[s:e], self.dt_bias)
-            o, _ = gdn_recurrent(q, k, v, g, beta, torch.zeros((Hv, V, K), dtype=torch.float32))
+            o, _, _ = gdn_sequence(
+                mixed[s:e], w, torch.zeros((w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype), self.A_log,
+                a[s:e], b[s:e], self.dt_bias, torch.zeros((Hv, V, K), dtype=torch.float32), Hk, K, V,
+            )
             core[s:e] = o.to(core.dtype)
         y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
         return bi_linear(y.reshape(T, self.value_dim), self.out_proj)
