@@ -151,6 +151,7 @@ def run_parity(
 ) -> ParityReport:
     from tqdm import tqdm
 
+    from vllm_bi.client import VllmClient
     from vllm_bi.testing.server import VllmServer
 
     if trainer not in ("vllm_bi", "hf"):
@@ -170,9 +171,7 @@ def run_parity(
         return srv.complete_many(reqs)
 
     if server_url:
-        srv = VllmServer(model, args=[])
-        srv.url = server_url.rstrip("/")
-        completions = sample(srv)
+        completions = sample(VllmClient(server_url, model))
     else:
         log("starting VLLM_BATCH_INVARIANT=1 vllm serve (about a minute on 2 CPU cores)")
         with VllmServer(model, args=["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"]) as srv:

@@ -40,6 +40,8 @@ symbol                                          why / how
                                                 ``models/qwen3_5_text.py`` from Qwen3-Next's layers.
 ``CPUModelRunner.load_model``                   after loading, refuse any module type vllm_bi has not made
                                                 batch-invariant.
+``Worker.vllm_bi_weight_digest`` (new method)   lets the trainer check over ``/collective_rpc`` that the
+                                                server holds its weights (``vllm_bi.weights``).
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -412,6 +414,22 @@ def _patch_audit_cpu() -> None:
 _APPLIED = False
 
 
+# --------------------------------------------------------------------------- weight digest RPC
+
+
+def _worker_weight_digest(self) -> dict[str, str]:
+    from vllm_bi.weights import weight_digest
+
+    return weight_digest(self.model_runner.get_model().named_parameters())
+
+
+def _patch_worker_rpc() -> None:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not hasattr(Worker, "vllm_bi_weight_digest"):
+        _patch(Worker, "vllm_bi_weight_digest", _worker_weight_digest)
+
+
 def apply_all() -> list[str]:
     """Apply every patch for the current platform (idempotent). Returns the ledger of patched symbols."""
     global _APPLIED
@@ -433,6 +451,7 @@ def apply_all() -> list[str]:
     _register_models()
     _patch_layers(cpu)
     _patch_logprobs()
+    _patch_worker_rpc()
     if cpu:
         _patch_cpu_overrides()
         _patch_linear()

@@ -7,21 +7,19 @@ system), so what the tests exercise is what a user types.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-__all__ = ["VllmServer", "Completion", "free_port", "cpu_env"]
+from vllm_bi.client import Completion, VllmClient
+
+__all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError"]
 
 
 def free_port() -> int:
@@ -41,20 +39,11 @@ def cpu_env(batch_invariant: bool, extra: dict | None = None) -> dict:
     return env
 
 
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    prompt_logprobs: list[float | None] | None
-    finish_reason: str | None
-
-
 class ServerStartError(RuntimeError):
     pass
 
 
-class VllmServer:
+class VllmServer(VllmClient):
     """``with VllmServer(model, batch_invariant=True, args=[...]) as srv: srv.complete(...)``."""
 
     def __init__(
@@ -67,9 +56,8 @@ class VllmServer:
         startup_timeout: float = 300.0,
         log_path: str | None = None,
     ):
-        self.model = model
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}", model)
         self.args = [
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", "2048", "--gpu-memory-utilization", "0.2",
@@ -136,108 +124,3 @@ class VllmServer:
                 return "".join(f.readlines()[-n:])
         except OSError:
             return "<no log>"
-
-    # ------------------------------------------------------------------ HTTP
-    def _post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
-
-    def reload_weights(self, weights_path: str, timeout: float = 600.0) -> None:
-        """Load the checkpoint at ``weights_path`` into the running engine in place (no restart).
-
-        Uses vLLM's ``/collective_rpc`` -> worker ``reload_weights``; the server must run with
-        ``VLLM_SERVER_DEV_MODE=1``. Under batch invariance vllm_bi keeps weights unpacked, so the
-        reloaded tensors are used as they are.
-        """
-        body = {"method": "reload_weights", "kwargs": {"weights_path": weights_path}, "timeout": timeout}
-        self._post("/collective_rpc", body, timeout=timeout)
-
-    def metrics(self) -> dict[str, float]:
-        """Prometheus counters/gauges as ``{name{labels}: value}``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, val = line.rpartition(" ")
-                try:
-                    out[key] = float(val)
-                except ValueError:
-                    pass
-        return out
-
-    def metric_sum(self, prefix: str) -> float:
-        return sum(v for k, v in self.metrics().items() if k.split("{")[0] == prefix)
-
-    def complete(
-        self,
-        prompt_ids: list[int] | str,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        seed: int | None = None,
-        top_p: float = 1.0,
-        prompt_logprobs: bool = False,
-        ignore_eos: bool = True,
-    ) -> Completion:
-        """One /v1/completions request (token ids or text in, token ids out) with the sampled tokens' logprobs."""
-        body = {
-            "model": self.model,
-            "prompt": prompt_ids,
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "ignore_eos": ignore_eos,
-            "skip_special_tokens": False,
-        }
-        if seed is not None:
-            body["seed"] = seed
-        if prompt_logprobs:
-            body["prompt_logprobs"] = 0
-        ch = self._post("/v1/completions", body)["choices"][0]
-        if isinstance(prompt_ids, str):
-            prompt_ids = list(ch.get("prompt_token_ids") or [])
-            if not prompt_ids:
-                raise RuntimeError("server did not return prompt_token_ids (needs return_token_ids support)")
-        token_ids = list(ch["token_ids"])
-        lps = [float(x) for x in ch["logprobs"]["token_logprobs"]]
-        if len(lps) != len(token_ids):
-            raise RuntimeError(f"server returned {len(lps)} logprobs for {len(token_ids)} tokens")
-        plp = None
-        if prompt_logprobs:
-            plp = []
-            raw = ch.get("prompt_logprobs")
-            if raw is None:
-                raise RuntimeError("server returned no prompt_logprobs")
-            for pos, entry in enumerate(raw):
-                if entry is None:
-                    plp.append(None)
-                    continue
-                tok = prompt_ids[pos]
-                item = entry.get(str(tok)) or entry.get(tok)
-                if item is None:
-                    raise RuntimeError(f"prompt_logprobs at {pos} lacks the prompt token {tok}")
-                plp.append(float(item["logprob"]))
-        return Completion(prompt_ids, token_ids, lps, plp, ch.get("finish_reason"))
-
-    def complete_many(self, requests: list[dict], workers: int = 16) -> list[Completion]:
-        """Send ``requests`` (kwargs of :meth:`complete`) concurrently, so the engine batches them."""
-        barrier = threading.Barrier(len(requests))
-
-        def run(kw):
-            try:
-                barrier.wait(timeout=30)
-            except threading.BrokenBarrierError:
-                pass
-            return self.complete(**kw)
-
-        with ThreadPoolExecutor(max_workers=max(workers, len(requests))) as ex:
-            return list(ex.map(run, requests))

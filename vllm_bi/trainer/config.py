@@ -1,0 +1,184 @@
+"""Trainer configuration: one dataclass, read from a TOML recipe and overridden on the command line.
+
+Precedence: defaults < ``--config FILE.toml`` < ``--option value`` flags. Every field below is a flag
+(``max_staleness`` -> ``--max-staleness``); ``python -m vllm_bi.trainer --help`` lists them with
+these help texts. Recipes live in the repository's top-level ``trainer/`` folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+
+__all__ = ["TrainerConfig", "ConfigError", "parse_args"]
+
+
+class ConfigError(ValueError):
+    """A bad option value or recipe; the message names the option and the fix."""
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainerConfig:
+    # ---- model and server
+    model: str = _f("", "HF checkpoint directory of a GDN hybrid (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE). "
+                        "Empty: build the built-in small random-weight model (--model-family) in RUN_DIR/base_model.")
+    model_family: str = _f("qwen3-next", "family of the built-in model when --model is empty",
+                           choices=("qwen3-next", "qwen3.5", "qwen3.5-moe"))
+    server_url: str = _f("", "URL of a running `VLLM_BATCH_INVARIANT=1 VLLM_SERVER_DEV_MODE=1 vllm serve MODEL`. "
+                             "Empty: the trainer starts one itself (CPU settings) and stops it at the end.")
+    server_args: str = _f("--max-num-batched-tokens 256 --max-num-seqs 32",
+                          "extra `vllm serve` arguments when the trainer starts the server")
+    run_dir: str = _f("runs/digits", "output folder: metrics.jsonl, tb/ (TensorBoard), checkpoint/, weights/, logs")
+    # ---- data and reward
+    task: str = _f("digits", "built-in task name (digits) or a JSONL file with one {\"prompt\": ..., ...} per line")
+    reward: str = _f("", "reward function: a built-in name (digits, exact_match, contains) or a dotted path "
+                         "'package.module:function' taking (prompt, completion, example) -> float. "
+                         "Empty: the task's own reward (digits for the digits task, exact_match for JSONL)")
+    # ---- rollouts
+    steps: int = _f(40, "optimizer steps to run (a resumed run continues up to this many)")
+    prompts_per_step: int = _f(8, "prompts per rollout batch")
+    group_size: int = _f(4, "samples per prompt (the GRPO group)")
+    max_tokens: int = _f(12, "max completion tokens per sample")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling p")
+    seed: int = _f(0, "seed of the data order, of every sample's server-side seed, and of torch")
+    # ---- algorithm
+    algo: str = _f("dapo", "grpo: symmetric clip; dapo: asymmetric clip-higher and groups with identical "
+                           "rewards left out", choices=("grpo", "dapo"))
+    clip_low: float = _f(0.2, "lower clip: ratio >= 1 - clip_low")
+    clip_high: float = _f(0.28, "upper clip: ratio <= 1 + clip_high (grpo uses clip_low for both)")
+    lr: float = _f(2e-3, "AdamW learning rate (fp32 master weights)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    grad_clip: float = _f(1.0, "max global gradient norm (0 = off)")
+    micro_batch_seqs: int = _f(16, "sequences per trainer forward/backward (gradient accumulation over the batch)")
+    # ---- async and weight sync
+    max_staleness: int = _f(0, "off-policy window: a batch may be sampled up to this many weight versions before "
+                               "the trainer uses it (0 = synchronous, on-policy)")
+    verify_weights: bool = _f(True, "after every weight push, check that the server's weight digest equals the "
+                                    "trainer's (refuse to continue on a mismatch)")
+    recompute_at_sample_version: bool = _f(False, "also recompute each stale batch with the weights of the version "
+                                                   "it was sampled under (metric bit_wise/logprob_diff_at_sample_version/max; "
+                                                   "proves the gap is staleness only; costs a forward per step)")
+    keep_weight_versions: int = _f(0, "weight versions to keep under RUN_DIR/weights (0 = max_staleness + 1)")
+    # ---- checkpoints and logging
+    save_every: int = _f(1, "checkpoint every N steps (and at the end, and on a clean error)")
+    resume: bool = _f(True, "continue from RUN_DIR/checkpoint when it exists")
+    tensorboard: bool = _f(True, "also write TensorBoard events to RUN_DIR/tb (needs the tensorboard package)")
+    progress: bool = _f(True, "show a progress bar")
+
+    def validate(self) -> "TrainerConfig":
+        def bad(opt, msg):
+            raise ConfigError(f"--{opt.replace('_', '-')}: {msg}")
+
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_seqs", "save_every"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.group_size < 2:
+            bad("group_size", "GRPO needs at least 2 samples per prompt to normalise advantages")
+        if self.max_staleness < 0:
+            bad("max_staleness", f"must be >= 0, got {self.max_staleness}")
+        if not (0.0 < self.temperature):
+            bad("temperature", "must be > 0 (RL samples; greedy gives every group one answer)")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1]")
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            bad("clip_low", "need 0 <= clip_low < 1 and clip_high >= 0")
+        if self.lr <= 0:
+            bad("lr", "must be > 0")
+        if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
+            bad("keep_weight_versions", f"must be 0 or >= max_staleness + 1 = {self.max_staleness + 1}")
+        if self.model and not os.path.isdir(self.model):
+            bad("model", f"{self.model!r} is not a directory (a local HF checkpoint is needed: the trainer loads it too)")
+        if self.server_url and not self.model:
+            bad("model", "with --server-url, also give --model: the checkpoint directory the server was started with")
+        return self
+
+    @property
+    def weight_versions_kept(self) -> int:
+        return self.keep_weight_versions or self.max_staleness + 1
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+
+
+def _coerce(name: str, value, source: str):
+    f = FIELDS[name]
+    typ = f.type if isinstance(f.type, type) else {"str": str, "int": int, "float": float, "bool": bool}[f.type]
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                out = value
+            elif str(value).lower() in ("1", "true", "yes", "on"):
+                out = True
+            elif str(value).lower() in ("0", "false", "no", "off"):
+                out = False
+            else:
+                raise ValueError(value)
+        elif typ is float and isinstance(value, bool) or typ is int and isinstance(value, (bool, float)):
+            raise ValueError(value)
+        else:
+            out = typ(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {name} = {value!r} is not a valid {typ.__name__}") from None
+    choices = f.metadata.get("choices")
+    if choices and out not in choices:
+        raise ConfigError(f"{source}: {name} = {out!r}; choose one of {', '.join(choices)}")
+    return out
+
+
+def load_recipe(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path!r}: no such file (recipes live in the repository's trainer/ folder)")
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
+    flat = {}
+    for k, v in raw.items():  # sections are only for readability: [rollout] steps = 10 == steps = 10
+        for kk, vv in (v.items() if isinstance(v, dict) else [(k, v)]):
+            if kk not in FIELDS:
+                near = [n for n in FIELDS if n.split("_")[0] == kk.split("_")[0]]
+                raise ConfigError(f"--config {path}: unknown option {kk!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            flat[kk] = _coerce(kk, vv, f"--config {path}")
+    return flat
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm_bi.trainer",
+        description="Async GRPO/DAPO against a live batch-invariant vLLM server, with bit-exact trainer logprobs. "
+                    "Defaults < --config recipe < flags. Without options: the built-in 'digits' task on a small "
+                    "random-weight Qwen3-Next, a server started for you, 40 steps (about 10 minutes on 2 CPU cores).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--config", help="TOML recipe (see the trainer/ folder); flags override it")
+    for name, f in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        kw = {"default": None, "help": f.metadata["help"] + f" (default: {f.default!r})"}
+        if f.metadata.get("choices"):
+            kw["choices"] = f.metadata["choices"]
+        if f.type in (bool, "bool"):
+            kw["metavar"] = "{true,false}"
+        p.add_argument(flag, dest=name, **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> TrainerConfig:
+    args = build_parser().parse_args(argv)
+    values = load_recipe(args.config) if args.config else {}
+    for name in FIELDS:
+        v = getattr(args, name)
+        if v is not None:
+            values[name] = _coerce(name, v, "--" + name.replace("_", "-"))
+    cfg = TrainerConfig(**values)
+    if cfg.algo == "grpo" and "clip_high" not in values:
+        cfg.clip_high = cfg.clip_low
+    return cfg.validate()

@@ -1,0 +1,51 @@
+"""Per-step metrics: ``RUN_DIR/metrics.jsonl`` (one object per step) and TensorBoard (``RUN_DIR/tb``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+__all__ = ["MetricsWriter", "read_metrics"]
+
+logger = logging.getLogger("vllm_bi.trainer")
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str, first_step: int, tensorboard: bool = True):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        # A resumed run redoes the steps after its checkpoint: drop their old lines so every step appears once.
+        kept = [r for r in read_metrics(run_dir) if r["step"] < first_step]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(self.path + ".tmp", self.path)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"), purge_step=first_step)
+            except ImportError:
+                logger.warning("tensorboard is not installed: metrics go to metrics.jsonl only "
+                               "(pip install tensorboard, or install vllm_bi with its [trainer] extra)")
+
+    def write(self, row: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,66 @@
+"""Reward functions: ``fn(prompt: str, completion: str, example: dict) -> float``.
+
+Chosen by name (``digits``, ``exact_match``, ``contains``) or by dotted path
+(``package.module:function`` or ``package.module.function``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+__all__ = ["REWARDS", "get_reward", "checked_reward"]
+
+
+def digits(prompt: str, completion: str, example: dict) -> float:
+    """Share of the completion's non-space characters that are digits (0 for an empty completion)."""
+    chars = [c for c in completion if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def _answer(example: dict) -> str:
+    if "answer" not in example:
+        raise KeyError("this reward needs an \"answer\" field in every example")
+    return str(example["answer"]).strip()
+
+
+def exact_match(prompt: str, completion: str, example: dict) -> float:
+    """1 if the stripped completion equals the example's ``answer``, else 0."""
+    return float(completion.strip() == _answer(example))
+
+
+def contains(prompt: str, completion: str, example: dict) -> float:
+    """1 if the example's ``answer`` occurs in the completion, else 0."""
+    return float(_answer(example) in completion)
+
+
+REWARDS = {"digits": digits, "exact_match": exact_match, "contains": contains}
+
+
+def get_reward(spec: str):
+    if spec in REWARDS:
+        return REWARDS[spec]
+    mod_name, sep, attr = spec.partition(":")
+    if not sep:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise ValueError(f"--reward {spec!r}: not a built-in ({', '.join(REWARDS)}) nor 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward {spec!r}: cannot import ({e})") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {spec!r}: {attr} is not callable")
+    return fn
+
+
+def checked_reward(fn, prompt: str, completion: str, example: dict) -> float:
+    """Call ``fn`` and insist on a finite number (a NaN reward would silently poison the advantages)."""
+    r = fn(prompt, completion, example)
+    try:
+        r = float(r)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward {getattr(fn, '__name__', fn)} returned {r!r}, not a number") from None
+    if not math.isfinite(r):
+        raise ValueError(f"reward {getattr(fn, '__name__', fn)} returned {r} for prompt {prompt[:60]!r}")
+    return r

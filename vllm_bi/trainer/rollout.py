@@ -1,0 +1,80 @@
+"""Rollouts over the server's OpenAI-compatible HTTP API.
+
+A batch is ``prompts_per_step`` prompts x ``group_size`` samples, all sent at
+once (so the engine batches them however it likes: batch invariance makes that
+irrelevant to the numbers). Each sample carries its token ids, the logprob the
+server returned for every sampled token, and the weight version it was sampled
+under. The trainer never swaps weights while a batch is being generated, and
+the server's ``/weight_info`` is read before and after each batch to prove it.
+Every sample has its own seed, derived from (run seed, batch index, prompt,
+sample), so a resumed run re-samples exactly what was lost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm_bi.trainer.rewards import checked_reward
+
+__all__ = ["Sample", "RolloutBatch", "generate_batch", "VersionChanged"]
+
+
+class VersionChanged(RuntimeError):
+    """The server's weights changed while a batch was being sampled (someone else pushed weights)."""
+
+
+@dataclass
+class Sample:
+    group: int
+    prompt: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    completion: str
+    reward: float = 0.0
+
+
+@dataclass
+class RolloutBatch:
+    index: int  # the step this batch is for
+    version: int  # weight version every token was sampled under
+    data_start: int  # position of its first prompt
+    samples: list[Sample] = field(default_factory=list)
+    gen_seconds: float = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+
+def sample_seed(run_seed: int, batch: int, prompt: int, sample: int) -> int:
+    return ((run_seed * 1_000_003 + batch) * 4099 + prompt) * 257 + sample & 0x7FFF_FFFF_FFFF
+
+
+def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, version: int) -> RolloutBatch:
+    start = index * cfg.prompts_per_step
+    examples = source.batch(start, cfg.prompts_per_step)
+    reqs = []
+    for j, ex in enumerate(examples):
+        ids = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
+        for k in range(cfg.group_size):
+            reqs.append(dict(prompt_ids=ids, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                             top_p=cfg.top_p, seed=sample_seed(cfg.seed, index, j, k), ignore_eos=False,
+                             cache_salt=f"vllm_bi-v{version}"))
+    before = client.weight_version()
+    t0 = time.perf_counter()
+    outs = client.complete_many(reqs)
+    dt = time.perf_counter() - t0
+    after = client.weight_version()
+    if before != str(version) or after != str(version):
+        raise VersionChanged(f"server weight version was {before!r} before and {after!r} after sampling batch "
+                             f"{index}, expected {version}: another client changed the server's weights")
+    batch = RolloutBatch(index=index, version=version, data_start=start, gen_seconds=dt)
+    for i, c in enumerate(outs):
+        ex = examples[i // cfg.group_size]
+        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.token_ids, c.logprobs, text)
+        s.reward = checked_reward(reward_fn, ex["prompt"], text, ex)
+        batch.samples.append(s)
+    return batch
