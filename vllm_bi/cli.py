@@ -3,6 +3,7 @@
     vllm-bi demo         serve a built-in small GDN model with VLLM_BATCH_INVARIANT=1 and show that a
                          request's tokens and logprobs are identical alone and in a busy batch
     vllm-bi parity       sample from a BI server, recompute with the trainer model, report bitwise equality
+    vllm-bi plot         PNG curves of a trainer run (python -m vllm_bi.trainer) from its metrics.jsonl
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
     vllm-bi info         versions, and whether the plugin is installed where vLLM finds it
 """
@@ -124,6 +125,14 @@ def _cmd_parity(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_plot(args) -> int:
+    from vllm_bi.trainer.plot import plot_run
+
+    for path in plot_run(args.run_dir):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-bi", description="vllm_bi: batch-invariant vLLM for GDN hybrids")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -173,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--overwrite", action="store_true")
     m.set_defaults(fn=_cmd_make_model)
 
+    pl = sub.add_parser("plot", help="PNG curves (reward, logprob diff, throughput) of a trainer run",
+                        description="Reads RUN_DIR/metrics.jsonl (written by python -m vllm_bi.trainer) and writes "
+                        "RUN_DIR/plots/reward.png, logprob_diff.png and throughput.png.")
+    pl.add_argument("run_dir", help="a trainer run directory (--run-dir of python -m vllm_bi.trainer)")
+    pl.set_defaults(fn=_cmd_plot)
+
     i = sub.add_parser("info", help="versions and plugin registration")
     i.set_defaults(fn=_cmd_info)
     return p
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
         print(f"vllm-bi {args.cmd}: error: {e}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ these help texts. Recipes live in the repository's top-level ``trainer/`` folder
 from __future__ import annotations
 
 import argparse
+import difflib
 import dataclasses
 import os
 import tomllib
@@ -145,7 +146,7 @@ def load_recipe(path: str) -> dict:
     for k, v in raw.items():  # sections are only for readability: [rollout] steps = 10 == steps = 10
         for kk, vv in (v.items() if isinstance(v, dict) else [(k, v)]):
             if kk not in FIELDS:
-                near = [n for n in FIELDS if n.split("_")[0] == kk.split("_")[0]]
+                near = difflib.get_close_matches(kk, FIELDS, n=1)
                 raise ConfigError(f"--config {path}: unknown option {kk!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
             flat[kk] = _coerce(kk, vv, f"--config {path}")
     return flat

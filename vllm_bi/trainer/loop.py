@@ -151,7 +151,7 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
             raise NaNLoss(f"loss is {float(loss)} (micro-batch at sample {i}; rewards {rewards.tolist()[:8]}...)")
         loss.backward()
         policy.accumulate()
-        loss_sum += float(loss)
+        loss_sum += float(loss.detach())
         clipped += st["clipped"]
         ratio_max = max(ratio_max, st["ratio_max"])
     grad_norm = policy.step() if denom else 0.0

@@ -1,0 +1,86 @@
+"""Trainer configuration, data, rewards and loss (no server)."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_bi.trainer.config import FIELDS, ConfigError, load_recipe, parse_args
+from vllm_bi.trainer.data import make_source
+from vllm_bi.trainer.loss import clipped_surrogate, group_advantages
+from vllm_bi.trainer.rewards import checked_reward, get_reward
+
+REPO = __file__.rsplit("/tests/", 1)[0]
+
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "vllm_bi.trainer", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for name in FIELDS:
+        assert "--" + name.replace("_", "-") in out, name
+
+
+@pytest.mark.parametrize("recipe", ["digits.toml", "digits_async.toml", "jsonl_contains.toml"])
+def test_recipes_parse(recipe):
+    values = load_recipe(f"{REPO}/trainer/{recipe}")
+    assert values["steps"] >= 1
+
+
+def test_precedence_and_errors(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('steps = 7\n[algorithm]\nalgo = "grpo"\n')
+    cfg = parse_args(["--config", str(recipe), "--group-size", "3"])
+    assert (cfg.steps, cfg.algo, cfg.group_size, cfg.clip_high) == (7, "grpo", 3, cfg.clip_low)
+    assert parse_args(["--config", str(recipe), "--steps", "9"]).steps == 9
+    recipe.write_text("stepz = 7\n")
+    with pytest.raises(ConfigError, match="unknown option 'stepz'.*'steps'"):
+        parse_args(["--config", str(recipe)])
+    with pytest.raises(ConfigError, match="--group-size: GRPO needs at least 2"):
+        parse_args(["--group-size", "1"])
+    with pytest.raises(ConfigError, match="not a valid int"):
+        parse_args(["--steps", "ten"])
+    with pytest.raises(ConfigError, match="--model: with --server-url"):
+        parse_args(["--server-url", "http://x"])
+    r = subprocess.run([sys.executable, "-m", "vllm_bi.trainer", "--max-staleness", "-1"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--max-staleness: must be >= 0" in r.stderr
+
+
+def test_sources_are_positional(tmp_path):
+    s = make_source("digits", 3)
+    assert s.batch(5, 3) == [s.example(5), s.example(6), s.example(7)]
+    assert s.example(5) != make_source("digits", 4).example(5)
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(f'{{"prompt": "p{i}", "answer": "{i}"}}' for i in range(5)) + "\n")
+    j = make_source(str(data), 0)
+    first_pass = sorted(j.example(i)["prompt"] for i in range(5))
+    assert first_pass == [f"p{i}" for i in range(5)]  # each pass is a permutation
+    assert j.example(7) == make_source(str(data), 0).example(7)
+    data.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:1: expected an object with a string \"prompt\""):
+        make_source(str(data), 0)
+
+
+def test_rewards():
+    assert get_reward("digits")("", "ab 12", {}) == 0.5
+    assert get_reward("exact_match")("", " 7 ", {"answer": 7}) == 1.0
+    assert get_reward("contains")("", "x7y", {"answer": "7"}) == 1.0
+    assert get_reward("vllm_bi.trainer.rewards:digits") is get_reward("digits")
+    with pytest.raises(ValueError, match="cannot import"):
+        get_reward("no_such_module:fn")
+    with pytest.raises(ValueError, match="returned nan"):
+        checked_reward(lambda p, c, e: math.nan, "p", "c", {})
+
+
+def test_group_advantages_and_clip():
+    adv, spread = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
+    assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-5)
+    assert spread.tolist() == [True, True, False, False]
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.5, 0.5, 1.0, 1.1]))
+    a = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    loss, st = clipped_surrogate(logp, old, a, 0.2, 0.28, denom=4)
+    # min(r*A, clip(r)*A): 1.28, -0.8, 1.0, -1.1 -> mean 0.095, loss = -mean
+    assert math.isclose(float(loss), -(1.28 - 0.8 + 1.0 - 1.1) / 4, rel_tol=1e-6)
+    assert st["clipped"] == 2

@@ -1,0 +1,183 @@
+"""The RL loop against a real BI ``vllm serve`` (issue 4 acceptance, CPU, small Qwen3-Next).
+
+One server for the module (dev mode, for the weight-swap routes); each run pushes its own
+initial weights first, so runs do not see each other's updates.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.testing.server import VllmServer, cpu_env
+from vllm_bi.trainer import loop as loop_mod
+from vllm_bi.trainer import sync as sync_mod
+from vllm_bi.trainer.config import TrainerConfig
+from vllm_bi.trainer.loop import TrainerError, train
+from vllm_bi.trainer.metrics import read_metrics
+from vllm_bi.weights import weight_digest
+
+pytestmark = pytest.mark.server
+
+SMALL = dict(prompts_per_step=4, group_size=4, max_tokens=8, lr=5e-3, progress=False, tensorboard=False)
+
+
+def test_plot_needs_a_run_dir(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "vllm_bi.cli", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 2 and "no metrics.jsonl" in r.stderr
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_path):
+    return tiny_model_path("qwen3-next")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
+    log = str(tmp_path_factory.mktemp("srv") / "server.log")
+    with VllmServer(model_dir, env=env, args=["--max-num-batched-tokens", "128", "--max-num-seqs", "16"],
+                    log_path=log) as srv:
+        yield srv
+
+
+def cfg(server, model_dir, run_dir, **kw):
+    return TrainerConfig(model=model_dir, server_url=server.url, run_dir=str(run_dir), **(SMALL | kw))
+
+
+def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tmp_path):
+    rows = train(cfg(server, model_dir, tmp_path, steps=10, max_staleness=0, tensorboard=True))
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    assert [r["step"] for r in rows] == list(range(10))
+    assert all(r["staleness"] == 0 for r in rows)
+    for r in rows:  # exact equality, every token of every step
+        assert r["bit_wise/logprob_diff/max"] == 0.0, r
+        assert r["bit_wise/frac_tokens_different"] == 0.0, r
+        assert r["tokens/completion"] > 0
+    assert read_metrics(str(tmp_path)) == json.loads(json.dumps(rows))
+    r = subprocess.run([sys.executable, "-m", "vllm_bi.cli", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    for name in ("reward.png", "logprob_diff.png", "throughput.png"):
+        with open(tmp_path / "plots" / name, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert server.weight_version() == "10"
+    # the server holds what the trainer trained: the final checkpoint's bf16 weights
+    final = GDNHybridForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000010"))
+    assert server.weight_digest() == weight_digest(final.hf_state_dict().items())
+    assert server.weight_digest() != weight_digest(GDNHybridForCausalLM.from_pretrained(model_dir).hf_state_dict().items())
+
+
+def test_async_gap_is_staleness_only(server, model_dir, tmp_path):
+    rows = train(cfg(server, model_dir, tmp_path, steps=5, max_staleness=1, recompute_at_sample_version=True))
+    assert rows[0]["staleness"] == 0 and rows[0]["bit_wise/logprob_diff/max"] == 0.0
+    stale = [r for r in rows if r["staleness"] == 1]
+    assert stale, "the rollout thread never ran ahead"
+    assert all(r["staleness"] <= 1 for r in rows)
+    assert all(r["bit_wise/logprob_diff/max"] > 0.0 for r in stale), "stale batches must show a gap"
+    # ... and the gap is staleness only: under the weights each batch was sampled with, exactly 0
+    assert all(r["bit_wise/logprob_diff_at_sample_version/max"] == 0.0 for r in rows), rows
+
+
+def _trainer_cmd(server, model_dir, run_dir, steps):
+    return [sys.executable, "-m", "vllm_bi.trainer", "--server-url", server.url, "--model", model_dir,
+            "--run-dir", str(run_dir), "--steps", str(steps), "--prompts-per-step", "4", "--group-size", "4",
+            "--max-tokens", "8", "--progress", "false", "--tensorboard", "false"]
+
+
+def _wait_for_checkpoint(run_dir, step, proc, timeout=300):
+    meta = os.path.join(run_dir, "checkpoint", "meta.json")
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"trainer exited early: {proc.communicate()}")
+        if os.path.exists(meta):
+            with open(meta) as f:
+                if json.load(f)["step"] >= step:
+                    return
+        time.sleep(0.2)
+    raise AssertionError("no checkpoint in time")
+
+
+def test_kill_and_resume_loses_no_step_and_repeats_none(server, model_dir, tmp_path):
+    proc = subprocess.Popen(_trainer_cmd(server, model_dir, tmp_path, 6), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_checkpoint(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.load(open(tmp_path / "checkpoint" / "meta.json"))["step"]
+    assert 2 <= killed_at < 6
+    r = subprocess.run(_trainer_cmd(server, model_dir, tmp_path, 6), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resuming at step {killed_at}/6" in r.stdout
+    steps = [m["step"] for m in read_metrics(str(tmp_path))]
+    assert steps == list(range(6))
+    meta = json.load(open(tmp_path / "checkpoint" / "meta.json"))
+    assert (meta["step"], meta["data_position"]) == (6, 24)
+    assert all(m["bit_wise/logprob_diff/max"] == 0.0 for m in read_metrics(str(tmp_path)))
+    # data positions continue across the kill: each step consumed the next 4 prompts
+    assert [m["data_position"] for m in read_metrics(str(tmp_path))] == [4 * (s + 1) for s in range(6)]
+
+
+def test_weight_mismatch_refuses_and_resumes(server, model_dir, tmp_path, monkeypatch):
+    orig = sync_mod.WeightSync.save
+
+    def corrupt_from_v2(self, model, version):
+        path = orig(self, model, version)
+        if version >= 2:  # a transfer that silently lost one value
+            from safetensors.torch import load_file, save_file
+
+            f = os.path.join(path, "model.safetensors")
+            t = load_file(f)
+            t["model.layers.1.mlp.experts.0.down_proj.weight"][0, 0] += 1.0
+            save_file(t, f, metadata={"format": "pt"})
+        return path
+
+    monkeypatch.setattr(sync_mod.WeightSync, "save", corrupt_from_v2)
+    with pytest.raises(TrainerError, match=r"(?s)version 2.*differ.*layer001.*Refusing.*continue from step 1"):
+        train(cfg(server, model_dir, tmp_path, steps=4))
+    monkeypatch.setattr(sync_mod.WeightSync, "save", orig)
+    rows = train(cfg(server, model_dir, tmp_path, steps=4))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [m["step"] for m in read_metrics(str(tmp_path))] == [0, 1, 2, 3]
+    assert all(r["bit_wise/logprob_diff/max"] == 0.0 for r in rows)
+
+
+def test_nan_loss_stops_cleanly_with_a_resumable_checkpoint(server, model_dir, tmp_path, monkeypatch):
+    orig = loop_mod.clipped_surrogate
+    calls = {"n": 0}
+
+    def nan_on_third_micro_batch(*a, **k):
+        calls["n"] += 1
+        loss, st = orig(*a, **k)
+        return (loss * float("nan") if calls["n"] == 3 else loss), st
+
+    monkeypatch.setattr(loop_mod, "clipped_surrogate", nan_on_third_micro_batch)
+    c = cfg(server, model_dir, tmp_path, steps=4, micro_batch_seqs=8)  # 2 micro-batches per step
+    with pytest.raises(TrainerError, match=r"loss is nan.*not applied.*continue from step 1"):
+        train(c)
+    state = torch.load(tmp_path / "checkpoint" / "state.pt", weights_only=False)
+    assert state["step"] == 1
+    assert all(torch.isfinite(t).all() for t in state["policy"]["masters"].values())
+
+
+def test_server_unreachable_ends_with_clear_error_and_checkpoint(model_dir, tmp_path):
+    """The trainer starts its own server here; we kill that server mid-run."""
+    cmd = [sys.executable, "-m", "vllm_bi.trainer", "--model", model_dir, "--run-dir", str(tmp_path),
+           "--steps", "50", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
+           "--progress", "false", "--tensorboard", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_checkpoint(tmp_path, 1, proc, timeout=400)
+    os.killpg(int(open(tmp_path / "server.pid").read()), signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: vLLM server at http://127.0.0.1:") and "unreachable" in last, last
+    assert "rerun the same command to continue from step" in last
+    meta = json.load(open(tmp_path / "checkpoint" / "meta.json"))
+    assert meta["step"] >= 1 and f"from step {meta['step']}" in last
