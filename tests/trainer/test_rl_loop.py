@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-from vllm_bi.testing.server import VllmServer, cpu_env
+from vllm_bi.testing.server import VllmServer, cpu_env, free_port
 from vllm_bi.trainer import loop as loop_mod
 from vllm_bi.trainer import sync as sync_mod
 from vllm_bi.trainer.config import TrainerConfig
@@ -124,11 +124,32 @@ def test_kill_and_resume_loses_no_step_and_repeats_none(server, model_dir, tmp_p
     assert [m["data_position"] for m in read_metrics(str(tmp_path))] == [4 * (s + 1) for s in range(6)]
 
 
+def test_fsdp2_two_processes_keep_exact_parity_and_resume(server, model_dir, tmp_path):
+    """torchrun, 2 CPU processes (gloo), FSDP2-sharded trainer: still exactly 0 at every step; a resumed
+    sharded run reloads the gathered checkpoint into shards."""
+    def run(steps):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "vllm_bi.trainer", *_trainer_cmd(server, model_dir, tmp_path, steps)[3:]]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        return r
+
+    run(3)
+    r = run(4)
+    assert "resuming at step 3/4" in r.stdout
+    rows = read_metrics(str(tmp_path))
+    assert [m["step"] for m in rows] == [0, 1, 2, 3]
+    assert all(m["trainer/world_size"] == 2 for m in rows)
+    assert all(m["bit_wise/logprob_diff/max"] == 0.0 and m["bit_wise/frac_tokens_different"] == 0.0 for m in rows)
+    final = GDNHybridForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000004"))
+    assert server.weight_digest() == weight_digest(final.hf_state_dict().items())
+
+
 def test_weight_mismatch_refuses_and_resumes(server, model_dir, tmp_path, monkeypatch):
     orig = sync_mod.WeightSync.save
 
-    def corrupt_from_v2(self, model, version):
-        path = orig(self, model, version)
+    def corrupt_from_v2(self, model, version, state=None):
+        path = orig(self, model, version, state)
         if version >= 2:  # a transfer that silently lost one value
             from safetensors.torch import load_file, save_file
 

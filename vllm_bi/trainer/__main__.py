@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from vllm_bi.trainer.config import ConfigError, parse_args
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     except (TrainerError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if rows:
+    if rows and os.environ.get("RANK", "0") == "0":
         first, last = rows[0], rows[-1]
         print(f"done: steps {first['step']}..{last['step']}, reward/mean {first['reward/mean']:.3f} -> "
               f"{last['reward/mean']:.3f}, max |trainer - server logprob| over the run "

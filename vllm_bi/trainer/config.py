@@ -55,7 +55,7 @@ class TrainerConfig:
                            "rewards left out", choices=("grpo", "dapo"))
     clip_low: float = _f(0.2, "lower clip: ratio >= 1 - clip_low")
     clip_high: float = _f(0.28, "upper clip: ratio <= 1 + clip_high (grpo uses clip_low for both)")
-    lr: float = _f(2e-3, "AdamW learning rate (fp32 master weights)")
+    lr: float = _f(5e-3, "AdamW learning rate (fp32 master weights)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)")
     micro_batch_seqs: int = _f(16, "sequences per trainer forward/backward (gradient accumulation over the batch)")

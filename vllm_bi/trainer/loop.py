@@ -31,6 +31,7 @@ from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 from vllm_bi.ops.softmax import log_softmax
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
+from vllm_bi.trainer.distributed import Dist, full, like
 from vllm_bi.trainer.loss import clipped_surrogate, group_advantages
 from vllm_bi.trainer.metrics import MetricsWriter
 from vllm_bi.trainer.rewards import get_reward
@@ -54,12 +55,14 @@ class NaNLoss(FloatingPointError):
 
 
 class Policy:
-    """bf16 model + fp32 master weights + AdamW."""
+    """bf16 model + fp32 master weights + AdamW (masters sharded like the model under FSDP2)."""
 
-    def __init__(self, model: GDNHybridForCausalLM, cfg: TrainerConfig):
-        self.model = model
+    def __init__(self, model: GDNHybridForCausalLM, cfg: TrainerConfig, dist: Dist):
+        self.model, self.dist = model, dist
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
+        replicated = {id(p) for p in dist.replicated}
+        self.is_replicated = [id(p) in replicated for p in self.params]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
         self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.grad_clip = cfg.grad_clip
@@ -76,14 +79,21 @@ class Policy:
             p.grad = m.grad = None
 
     def step(self) -> float:
-        grads = [m.grad for m in self.masters if m.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        for m in self.masters:  # every rank must take part in the collectives below
+            if m.grad is None:
+                m.grad = torch.zeros_like(m)
+        rep = [m.grad for m, r in zip(self.masters, self.is_replicated) if r]
+        shd = [m.grad for m, r in zip(self.masters, self.is_replicated) if not r]
+        self.dist.sum_replicated_grads(rep)
+        if self.dist.world == 1:
+            shd, rep = [], shd + rep
+        norm = math.sqrt(self.dist.sq_norm(shd, rep))
         if not math.isfinite(norm):
             self.zero_grad()
             raise NaNLoss(f"gradient norm is {norm}")
         if self.grad_clip and norm > self.grad_clip:
-            for g in grads:
-                g.mul_(self.grad_clip / norm)
+            for m in self.masters:
+                m.grad.mul_(self.grad_clip / norm)
         self.opt.step()
         self.zero_grad()
         with torch.no_grad():
@@ -92,14 +102,21 @@ class Policy:
         return norm
 
     def state_dict(self) -> dict:
-        return {"masters": {n: m.detach() for n, m in zip(self.names, self.masters)}, "optim": self.opt.state_dict()}
+        """Full (gathered) fp32 masters and optimizer state; a collective under FSDP2."""
+        opt = self.opt.state_dict()
+        opt["state"] = {i: {k: full(v) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+                        for i, st in opt["state"].items()}
+        return {"masters": {n: full(m.detach()) for n, m in zip(self.names, self.masters)}, "optim": opt}
 
     def load_state_dict(self, sd: dict) -> None:
         with torch.no_grad():
             for n, p, m in zip(self.names, self.params, self.masters):
-                m.copy_(sd["masters"][n])
+                m.copy_(like(sd["masters"][n], m))
                 p.copy_(m.to(p.dtype))
-        self.opt.load_state_dict(sd["optim"])
+        opt = sd["optim"]
+        opt["state"] = {i: {k: like(v, self.masters[int(i)]).float() if torch.is_tensor(v) and v.dim() else v
+                            for k, v in st.items()} for i, st in opt["state"].items()}
+        self.opt.load_state_dict(opt)
 
 
 def completion_logprobs(model, samples, entropy: bool = False):
@@ -126,29 +143,39 @@ def completion_logprobs(model, samples, entropy: bool = False):
 
 
 def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> dict:
+    """One optimizer step on ``batch`` (this rank's share of it under torchrun). Returns the step's metrics."""
+    dist = policy.dist
     samples = batch.samples
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv, spread = group_advantages(rewards, cfg.group_size)
     use = spread if cfg.algo == "dapo" else torch.ones_like(spread)
     denom = sum(len(s.completion_ids) for s, u in zip(samples, use.tolist()) if u)
     n_tok = sum(len(s.completion_ids) for s in samples)
-    diffs, ent_sum, loss_sum, clipped, ratio_max = [], 0.0, 0.0, 0, 1.0
+    share = len(samples) // dist.world  # validated: divides evenly, so every rank runs as many micro-batches
+    mine = range(dist.rank * share, (dist.rank + 1) * share)
+    diff_sum = diff_max = n_diff = ent_sum = loss_sum = 0.0
+    clipped, ratio_max = 0, 1.0
     t0 = time.perf_counter()
-    for i in range(0, len(samples), cfg.micro_batch_seqs):
-        mb = samples[i : i + cfg.micro_batch_seqs]
+    for lo in range(mine.start, mine.stop, cfg.micro_batch_seqs):
+        idx = list(range(lo, min(lo + cfg.micro_batch_seqs, mine.stop)))
+        mb = [samples[i] for i in idx]
         lps, ent = completion_logprobs(policy.model, mb, entropy=True)
         ent_sum += ent
         logp = torch.cat(lps)
         old = torch.tensor([x for s in mb for x in s.logprobs], dtype=torch.float32)
-        diffs.append((logp.detach() - old).abs())
-        keep = torch.cat([torch.full((len(s.completion_ids),), bool(use[i + j])) for j, s in enumerate(mb)])
-        a = torch.cat([torch.full((len(s.completion_ids),), float(adv[i + j])) for j, s in enumerate(mb)])
-        if denom == 0 or not keep.any():
+        d = (logp.detach() - old).abs()
+        diff_sum, diff_max, n_diff = diff_sum + float(d.sum()), max(diff_max, float(d.max())), n_diff + int((d != 0).sum())
+        if denom == 0:  # every group had identical rewards (dapo): nothing to learn from this batch
             continue
+        keep = torch.cat([torch.full((len(samples[i].completion_ids),), bool(use[i])) for i in idx])
+        a = torch.cat([torch.full((len(samples[i].completion_ids),), float(adv[i])) for i in idx])
         loss, st = clipped_surrogate(logp[keep], old[keep], a[keep], cfg.clip_low, cfg.clip_high, denom)
-        if not torch.isfinite(loss):
+        if not keep.any():
+            loss = logp.sum() * 0.0  # still run backward: FSDP ranks must make the same collective calls
+        if dist.reduce(float(not torch.isfinite(loss)), "max"):  # every rank stops, not only the one with the NaN
             policy.zero_grad()
-            raise NaNLoss(f"loss is {float(loss)} (micro-batch at sample {i}; rewards {rewards.tolist()[:8]}...)")
+            raise NaNLoss(f"loss is {float(loss.detach())} (micro-batch at sample {lo}; rewards "
+                          f"{[round(x, 3) for x in rewards.tolist()[:8]]}...)")
         loss.backward()
         policy.accumulate()
         loss_sum += float(loss.detach())
@@ -156,22 +183,22 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         ratio_max = max(ratio_max, st["ratio_max"])
     grad_norm = policy.step() if denom else 0.0
     train_s = time.perf_counter() - t0
-    d = torch.cat(diffs)
     r = rewards.float()
+    seq_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     return {
-        "loss": loss_sum,
+        "loss": dist.reduce(loss_sum),
         "reward/mean": float(r.mean()),
         "reward/std": float(r.std(unbiased=False)),
-        "bit_wise/logprob_diff/abs_mean": float(d.mean()),
-        "bit_wise/logprob_diff/max": float(d.max()),
-        "bit_wise/frac_tokens_different": float((d != 0).float().mean()),
-        "clip_fraction": clipped / max(denom, 1),
-        "ratio_max": ratio_max,
-        "entropy": ent_sum / max(n_tok, 1),
+        "bit_wise/logprob_diff/abs_mean": dist.reduce(diff_sum) / n_tok,
+        "bit_wise/logprob_diff/max": dist.reduce(diff_max, "max"),
+        "bit_wise/frac_tokens_different": dist.reduce(n_diff) / n_tok,
+        "clip_fraction": dist.reduce(clipped) / max(denom, 1),
+        "ratio_max": dist.reduce(ratio_max, "max"),
+        "entropy": dist.reduce(ent_sum) / n_tok,
         "grad_norm": grad_norm,
         "tokens/completion": n_tok,
         "groups/used": int(use.view(-1, cfg.group_size)[:, 0].sum()),
-        "trainer/tokens_per_s": sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples) / train_s,
+        "trainer/tokens_per_s": seq_tokens / dist.reduce(train_s, "max"),
         "time/train_s": train_s,
     }
 
@@ -193,10 +220,14 @@ def _ckpt_dir(run_dir: str) -> str:
 
 
 def save_checkpoint(run_dir: str, policy: Policy, step: int, cfg: TrainerConfig) -> None:
+    """Atomic: ``checkpoint/state.pt`` then ``meta.json``. Every rank calls it (gathers); rank 0 writes."""
+    policy_state = policy.state_dict()
+    if not policy.dist.main:
+        return
     d = _ckpt_dir(run_dir)
     os.makedirs(d, exist_ok=True)
     state = {
-        "policy": policy.state_dict(),
+        "policy": policy_state,
         "step": step,
         "version": step,
         "data_position": step * cfg.prompts_per_step,
@@ -268,13 +299,19 @@ class RolloutThread(threading.Thread):
 # --------------------------------------------------------------------------- main entry
 
 
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _start_server(cfg: TrainerConfig, model_dir: str):
     from vllm_bi.testing.server import VllmServer, cpu_env
 
     log = os.path.join(cfg.run_dir, "server.log")
     logger.info("starting VLLM_BATCH_INVARIANT=1 vllm serve %s (log: %s)", model_dir, log)
-    srv = VllmServer(model_dir, env=cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"}),
-                     args=shlex.split(cfg.server_args), log_path=log)
+    env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
+    for k in [k for k in env if k in _TORCHRUN_ENV or k.startswith("TORCHELASTIC_")]:
+        del env[k]  # the server is not part of the trainer's process group
+    srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log)
     srv.start()
     with open(os.path.join(cfg.run_dir, "server.pid"), "w") as f:
         f.write(str(srv.proc.pid))
@@ -294,92 +331,157 @@ def _check_server(client: VllmClient) -> None:
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).") from None
 
 
+class _RankFailed(RuntimeError):
+    pass
+
+
+def _on_main(dist: Dist, fn, share: bool = True):
+    """Run ``fn`` on rank 0; every rank gets its result (when ``share``) or raises its exception."""
+    result = err = None
+    if dist.main:
+        try:
+            result = fn()
+        except BaseException as e:  # noqa: BLE001
+            err = e
+    if dist.world > 1:
+        sent = err if err is None or isinstance(err, Exception) else _RankFailed(repr(err))
+        got, got_err = dist.broadcast((result if share else None, sent))
+        if not dist.main:
+            result, err = got, got_err
+    if err is not None:
+        raise err
+    return result
+
+
 def train(cfg: TrainerConfig, log=print) -> list[dict]:
-    """Run ``cfg`` to ``cfg.steps`` (resuming when a checkpoint exists). Returns the metric rows of this run."""
+    """Run ``cfg`` to ``cfg.steps`` (resuming when a checkpoint exists). Returns the metric rows of this run.
+
+    Under ``torchrun --nproc-per-node N`` the model is sharded with FSDP2 over N processes."""
+    dist = Dist()
+    try:
+        return _train(cfg, dist, log if dist.main else (lambda *a, **k: None))
+    finally:
+        dist.close()
+
+
+def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     from transformers import AutoTokenizer
 
     cfg.validate()
+    if (cfg.prompts_per_step * cfg.group_size) % dist.world:
+        raise TrainerError(f"--prompts-per-step x --group-size = {cfg.prompts_per_step * cfg.group_size} samples "
+                           f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of {dist.world}")
     os.makedirs(cfg.run_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     model_dir = cfg.model
     if not model_dir:
-        from vllm_bi.testing.tiny_models import build_tiny_model
-
         model_dir = os.path.abspath(os.path.join(cfg.run_dir, "base_model"))
-        build_tiny_model(cfg.model_family, model_dir, seed=cfg.seed)
+
+        def build():
+            from vllm_bi.testing.tiny_models import build_tiny_model
+
+            build_tiny_model(cfg.model_family, model_dir, seed=cfg.seed)
+
+        _on_main(dist, build)
     model_dir = os.path.abspath(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
-    policy = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg)
+    model = GDNHybridForCausalLM.from_pretrained(model_dir)
+    dist.shard(model)
+    policy = Policy(model, cfg, dist)
     start = (load_checkpoint(cfg.run_dir, policy, cfg) if cfg.resume else None)
     resumed = start is not None
     start = start or 0
-    with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg) | {"resolved_model": model_dir}, f, indent=1)
+    if dist.main:
+        with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
+            json.dump(dataclasses.asdict(cfg) | {"resolved_model": model_dir, "world_size": dist.world}, f, indent=1)
     if start >= cfg.steps:
         log(f"{cfg.run_dir}: checkpoint is at step {start} >= --steps {cfg.steps}; nothing to do")
         return []
 
-    server = None
+    server = rollouts = metrics = None
     rows: list[dict] = []
-    rollouts = None
     saved_at = start if resumed else -1
-    where = lambda: (f"The run is resumable: rerun the same command to continue from step {saved_at} "  # noqa: E731
-                     f"({os.path.join(cfg.run_dir, 'checkpoint')}).")
+
+    def where() -> str:
+        return (f"The run is resumable: rerun the same command to continue from step {saved_at} "
+                f"({os.path.join(cfg.run_dir, 'checkpoint')}).")
+
     try:
-        server = _start_server(cfg, model_dir) if not cfg.server_url else None
-        client = server or VllmClient(cfg.server_url, model_dir)
-        _check_server(client)
-        sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights)
-        sync.push(policy.model, start)
+        client = None
+
+        def connect():
+            nonlocal server, client
+            server = _start_server(cfg, model_dir) if not cfg.server_url else None
+            client = server or VllmClient(cfg.server_url, model_dir)
+            _check_server(client)
+
+        _on_main(dist, connect, share=False)
+        sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
+        state = model.hf_state_dict()
+        _on_main(dist, lambda: sync.push(model, start, state), share=False)
         if not resumed:
             save_checkpoint(cfg.run_dir, policy, 0, cfg)
             saved_at = 0
-        metrics = MetricsWriter(cfg.run_dir, start, cfg.tensorboard)
-        log(f"{'resuming at' if resumed else 'starting'} step {start}/{cfg.steps}: {cfg.prompts_per_step} prompts x "
-            f"{cfg.group_size} samples, {cfg.algo}, max_staleness {cfg.max_staleness}, server {client.url}")
+        if dist.main:
+            metrics = MetricsWriter(cfg.run_dir, start, cfg.tensorboard)
+            log(f"{'resuming at' if resumed else 'starting'} step {start}/{cfg.steps}: {cfg.prompts_per_step} prompts "
+                f"x {cfg.group_size} samples, {cfg.algo}, max_staleness {cfg.max_staleness}, "
+                f"{dist.world} trainer process(es), server {client.url}")
 
-        def generate(b: int, v: int) -> RolloutBatch:
-            return generate_batch(client, tokenizer, source, reward_fn, cfg, b, v)
+            def generate(b: int, v: int) -> RolloutBatch:
+                return generate_batch(client, tokenizer, source, reward_fn, cfg, b, v)
 
-        rollouts = RolloutThread(generate, start, cfg.steps, cfg.max_staleness, start)
-        rollouts.start()
+            rollouts = RolloutThread(generate, start, cfg.steps, cfg.max_staleness, start)
+            rollouts.start()
         from tqdm import tqdm
 
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="RL steps", disable=not cfg.progress)
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="RL steps",
+                   disable=not (cfg.progress and dist.main))
         for step in bar:
             t0 = time.perf_counter()
-            batch = rollouts.out.get()
-            if isinstance(batch, BaseException):
-                raise batch
-            if batch.index != step:
-                raise RuntimeError(f"internal error: got batch {batch.index} for step {step}")
+
+            def next_batch():
+                b = rollouts.out.get()
+                if isinstance(b, BaseException):
+                    raise b
+                if b.index != step:
+                    raise RuntimeError(f"internal error: got batch {b.index} for step {step}")
+                return b
+
+            batch = _on_main(dist, next_batch)
             wait_s = time.perf_counter() - t0
             row = {"step": step, "version": step, "sample_version": batch.version, "staleness": step - batch.version}
             row |= train_on_batch(policy, batch, cfg)
-            if cfg.recompute_at_sample_version:
-                row["bit_wise/logprob_diff_at_sample_version/max"] = (
-                    row["bit_wise/logprob_diff/max"] if batch.version == step
-                    else logprob_diff_at_version(sync.path(batch.version), batch))
-            with rollouts.swap_lock:
-                row |= sync.push(policy.model, step + 1)
-            rollouts.set_version(step + 1)
-            row |= {
-                "generator/tokens_per_s": batch.completion_tokens / max(batch.gen_seconds, 1e-9),
-                "time/generate_s": batch.gen_seconds,
-                "time/wait_for_rollout_s": wait_s,
-                "time/step_s": time.perf_counter() - t0,
-                "data_position": (step + 1) * cfg.prompts_per_step,
-            }
-            metrics.write(row)
+            state = model.hf_state_dict()
+
+            def publish():
+                if cfg.recompute_at_sample_version:
+                    row["bit_wise/logprob_diff_at_sample_version/max"] = (
+                        row["bit_wise/logprob_diff/max"] if batch.version == step
+                        else logprob_diff_at_version(sync.path(batch.version), batch))
+                with rollouts.swap_lock:
+                    row.update(sync.push(model, step + 1, state))
+                rollouts.set_version(step + 1)
+                row.update({
+                    "generator/tokens_per_s": batch.completion_tokens / max(batch.gen_seconds, 1e-9),
+                    "time/generate_s": batch.gen_seconds,
+                    "time/wait_for_rollout_s": wait_s,
+                    "time/step_s": time.perf_counter() - t0,
+                    "data_position": (step + 1) * cfg.prompts_per_step,
+                    "trainer/world_size": dist.world,
+                })
+                metrics.write(row)
+                return row
+
+            row = _on_main(dist, publish)
             rows.append(row)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
                 save_checkpoint(cfg.run_dir, policy, step + 1, cfg)
                 saved_at = step + 1
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}", diff=f"{row['bit_wise/logprob_diff/max']:.3g}")
-        metrics.close()
         return rows
     except ServerUnreachable as e:
         raise TrainerError(f"{e}. {where()}") from None
@@ -391,5 +493,7 @@ def train(cfg: TrainerConfig, log=print) -> list[dict]:
     finally:
         if rollouts is not None:
             rollouts.stop()
+        if metrics is not None:
+            metrics.close()
         if server is not None:
             server.stop()

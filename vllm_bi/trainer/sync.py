@@ -41,19 +41,21 @@ class WeightSync:
     def path(self, version: int) -> str:
         return os.path.join(self.dir, f"v{version:06d}")
 
-    def save(self, model, version: int) -> str:
+    def save(self, model, version: int, state: dict | None = None) -> str:
         final = self.path(version)
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, like=self.base_model)
+        model.save_pretrained(tmp, like=self.base_model, state_dict=state)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
 
-    def push(self, model, version: int) -> dict:
-        """Write ``model``'s weights as ``version``, swap them into the server, verify. Returns timings."""
+    def push(self, model, version: int, state: dict | None = None) -> dict:
+        """Write ``model``'s weights (``state``: its gathered :meth:`hf_state_dict`) as ``version``, swap them
+        into the server, verify. Returns timings."""
         t0 = time.perf_counter()
-        path = self.save(model, version)
+        state = model.hf_state_dict() if state is None else state
+        path = self.save(model, version, state)
         t1 = time.perf_counter()
         self.client.pause("wait")
         try:
@@ -64,13 +66,13 @@ class WeightSync:
             self.client.resume()
         t2 = time.perf_counter()
         if self.verify:
-            self.check(model, version)
+            self.check(state, version)
         self.prune(version)
         return {"time/sync_save_s": t1 - t0, "time/sync_swap_s": t2 - t1, "time/sync_verify_s": time.perf_counter() - t2}
 
-    def check(self, model, version: int) -> None:
+    def check(self, state: dict, version: int) -> None:
         server = self.client.weight_digest()
-        mine = weight_digest(model.hf_state_dict().items())
+        mine = weight_digest(state.items())
         bad = digest_mismatches(server, mine)
         if bad:
             raise WeightMismatch(

@@ -358,10 +358,14 @@ class GDNHybridForCausalLM(nn.Module):
             raise KeyError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """This model's weights under the HF checkpoint names (the inverse of :meth:`load_hf_state_dict`)."""
+        """This model's weights under the HF checkpoint names (the inverse of :meth:`load_hf_state_dict`).
+
+        Sharded (FSDP2) parameters are gathered: under torchrun every rank must call this."""
         out: dict[str, torch.Tensor] = {}
         for n, p in self.named_parameters():
             t = p.detach()
+            if type(t).__name__ == "DTensor":
+                t = t.full_tensor()
             if n.endswith(".mlp.w13") or n.endswith(".mlp.w2"):
                 layer = n.split(".")[1]
                 for e in range(t.shape[0]):
@@ -375,8 +379,10 @@ class GDNHybridForCausalLM(nn.Module):
             out[_hf_name(n)] = t.clone()
         return out
 
-    def save_pretrained(self, path: str, like: str) -> str:
-        """Write ``model.safetensors`` (HF names) to ``path``, with config and tokenizer files copied from ``like``."""
+    def save_pretrained(self, path: str, like: str, state_dict: dict | None = None) -> str:
+        """Write ``model.safetensors`` (HF names) to ``path``, with config and tokenizer files copied from ``like``.
+
+        ``state_dict``: an :meth:`hf_state_dict` already gathered (default: gather it now)."""
         import shutil
 
         from safetensors.torch import save_file
@@ -387,7 +393,8 @@ class GDNHybridForCausalLM(nn.Module):
                 src = os.path.join(like, name)
                 if os.path.isfile(src):
                     shutil.copy(src, os.path.join(path, name))
-        save_file({k: v.contiguous() for k, v in self.hf_state_dict().items()},
+        state_dict = self.hf_state_dict() if state_dict is None else state_dict
+        save_file({k: v.contiguous() for k, v in state_dict.items()},
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         return path
 
@@ -406,7 +413,7 @@ class GDNHybridForCausalLM(nn.Module):
     def token_logprobs(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
         """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per sequence (last of each is NaN)."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        lp = log_softmax(self.forward(input_ids, cu), dim=-1, dtype=torch.float32)
+        lp = log_softmax(self(input_ids, cu), dim=-1, dtype=torch.float32)
         out = torch.full((input_ids.shape[0],), float("nan"))
         for i in range(len(cu) - 1):
             s, e = cu[i], cu[i + 1]

@@ -1,0 +1,100 @@
+"""Sharded training under ``torchrun`` with FSDP2 (gloo on CPU, NCCL on CUDA).
+
+Rank 0 samples rollouts, pushes weights and writes metrics and checkpoints;
+every rank trains on its share of each batch. Parity is unchanged by sharding:
+FSDP2 all-gathers the bf16 parameters bit-exactly before each layer runs, so
+each rank's forward is the single-process forward (tested). The model's fp32
+parameters (GDN ``A_log``) are left out of sharding (FSDP2 wants one dtype per
+unit) and stay replicated; their gradients are summed with an all-reduce.
+Gradients are summed, not averaged, across ranks: the loss is already divided
+by the batch's total token count.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Dist"]
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class Dist:
+    """``rank``, ``world``; no-op helpers when not under torchrun."""
+
+    def __init__(self):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.replicated: list[torch.nn.Parameter] = []
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, model: torch.nn.Module) -> None:
+        if self.world == 1:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.replicated = [p for p in model.parameters() if p.dtype != torch.bfloat16]
+        ignored = set(self.replicated)
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        units = list(model.layers) + [model]
+        for unit in units:
+            fully_shard(unit, mp_policy=mp, ignored_params=ignored)
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def sum_replicated_grads(self, grads: list[torch.Tensor]) -> None:
+        if self.world > 1:
+            for g in grads:
+                dist.all_reduce(g)
+
+    def sq_norm(self, sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> float:
+        """Squared global norm of gradients: local shards summed over ranks, replicated ones counted once."""
+        local = sum(float(g.to_local().double().pow(2).sum()) if _is_dtensor(g) else 0.0 for g in sharded)
+        if self.world > 1:
+            t = torch.tensor([local], dtype=torch.float64)
+            dist.all_reduce(t)
+            local = float(t)
+        return local + sum(float(g.double().pow(2).sum()) for g in replicated)
+
+    def broadcast(self, obj):
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def reduce(self, value: float, op: str = "sum") -> float:
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        return float(t)
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter or state; a collective under FSDP."""
+    return t.full_tensor() if _is_dtensor(t) else t
+
+
+def like(full_tensor: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``full_tensor`` laid out like ``ref`` (sharded the same way when ``ref`` is a DTensor)."""
+    if _is_dtensor(ref):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full_tensor.to(ref.dtype), ref.device_mesh, ref.placements)
+    return full_tensor.to(ref.dtype)
