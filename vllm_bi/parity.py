@@ -34,21 +34,9 @@ DEFAULT_PROMPTS = [
 def load_prompts(path: str | None) -> list[str]:
     if path is None:
         return list(DEFAULT_PROMPTS)
-    prompts = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e}); expected one {{\"prompt\": ...}} per line") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path}:{i}: expected an object with a string \"prompt\" field")
-            prompts.append(obj["prompt"])
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    from vllm_bi.trainer.data import read_jsonl
+
+    return [row["prompt"] for row in read_jsonl(path)]
 
 
 @dataclass
