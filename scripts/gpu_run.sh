@@ -46,7 +46,8 @@ install_all() {
   printf 'Metadata-Version: 2.1\nName: vllm_bi\nVersion: 0.0.0+checkout\n' > "$di/METADATA"
   printf '[vllm.general_plugins]\nvllm_bi = vllm_bi.plugin:register\n\n[console_scripts]\nvllm-bi = vllm_bi.cli:main\n' > "$di/entry_points.txt"
   : > "$di/RECORD"
-  printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nsys.exit(main())\n' > "$SITE/bin/vllm"
+  # vLLM starts its engine with multiprocessing "spawn", which re-imports __main__: keep the guard.
+  printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' > "$SITE/bin/vllm"
   chmod +x "$SITE/bin/vllm"
 }
 
