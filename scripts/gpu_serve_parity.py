@@ -66,6 +66,7 @@ def compare(a, b) -> dict:
         "logprobs_equal": lp_eq,
         "logprobs_compared": upto,
         "max_abs_diff": max(diffs) if diffs else 0.0,
+        "differing_positions": [i for i in range(upto) if a.logprobs[i] != b.logprobs[i]][:8],
     }
 
 
@@ -77,6 +78,7 @@ def p3_compare(srv: VllmServer, c) -> dict:
     pairs = [(c.logprobs[i], plp[P + i]) for i in range(len(c.token_ids))]
     eq = sum(x == y for x, y in pairs)
     return {"equal": eq == len(pairs), "logprobs_equal": eq, "logprobs_compared": len(pairs),
+            "differing_positions": [i for i, (x, y) in enumerate(pairs) if x != y][:8],
             "max_abs_diff": max(abs(x - y) for x, y in pairs)}
 
 
@@ -126,7 +128,8 @@ def run_mode(model: str, mode: str, args, lines, out: dict, logdir: str) -> None
         res["P2"] = p2
     for size in ("big", "small"):
         with open(os.path.join(logdir, f"{name}-{size}.log"), errors="replace") as f:
-            res[f"plugin_log_{size}"] = [ln.strip()[-220:] for ln in f if "vllm_bi" in ln][:12]
+            res[f"plugin_log_{size}"] = [ln.strip()[-220:] for ln in f if "vllm_bi:" in ln or "attention backend" in ln
+                                         or "GDN" in ln][:12]
     out[name] = res
 
 

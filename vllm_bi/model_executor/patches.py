@@ -49,7 +49,9 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
                                                 -> vLLM's ``forward_native`` (BI ``mean``).
 ``GemmaRMSNorm.forward_cuda`` (CUDA)            vLLM IR ``rms_norm`` (provider picked at run time).
                                                 -> same formula with vLLM's BI ``mean``.
-``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host.
+``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
+                                                attention backend TRITON_ATTN when none is chosen (FA3
+                                                decode != prefill past one KV tile, measured on H200).
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -111,9 +113,22 @@ def _patch_engine_args() -> None:
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
-        elif current_platform.is_cuda() and not self.enforce_eager:
+        if current_platform.is_cuda():
+            chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
+            if chosen is None:
+                self.attention_backend = "TRITON_ATTN"
+                logger.warning(
+                    "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (one KV tile order "
+                    "for prefill and decode; FLASH_ATTN's decode and prefill differ past one KV tile)"
+                )
+            elif "TRITON_ATTN" not in str(chosen):
+                logger.warning(
+                    "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
+                    "measured with TRITON_ATTN on CUDA", chosen,
+                )
+        if current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
-            logger.info(
+            logger.warning(
                 "vllm_bi: batch invariance on CUDA: eager mode (the BI GDN core reads scheduler metadata "
                 "on the host, so it cannot be captured in CUDA graphs)"
             )
