@@ -60,7 +60,7 @@ for p in "$OUT"/part*; do
   ( cd "$p" && { echo "# $(basename "$p") of the vllm_bi GPU bundle (vLLM 0.32.0 GPU wheel, cp312, for torch 2.11+cu130)";
     echo "# made $(date -u +%FT%TZ) by scripts/gpu_prepare.sh; sha256 and file"; sha256sum * | grep -v MANIFEST; } > MANIFEST )
 done
-du -sh "$OUT"/part* | tee /dev/stderr | awk '{print}' >/dev/null
+du -sh "$OUT"/part*
 for p in "$OUT"/part*; do
   s=$(du -sb "$p" | cut -f1); [ "$s" -lt $((60*1024*1024)) ] || { echo "ERROR: $p is $s bytes (>= 60 MiB)" >&2; exit 1; }
 done

@@ -51,7 +51,7 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
                                                 -> same formula with vLLM's BI ``mean``.
 ``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
                                                 attention backend TRITON_ATTN when none is chosen (FA3
-                                                decode != prefill past one KV tile, measured on H200).
+                                                decode != prefill for ~500-token contexts on H200).
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -118,8 +118,8 @@ def _patch_engine_args() -> None:
             if chosen is None:
                 self.attention_backend = "TRITON_ATTN"
                 logger.warning(
-                    "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (one KV tile order "
-                    "for prefill and decode; FLASH_ATTN's decode and prefill differ past one KV tile)"
+                    "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (with FLASH_ATTN, decode and "
+                    "prefill logprobs differed for ~500-token contexts on an H200)"
                 )
             elif "TRITON_ATTN" not in str(chosen):
                 logger.warning(
