@@ -37,7 +37,9 @@ import torch
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d", "gdn_sequence"]
+__all__ = [
+    "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d", "gdn_sequence", "gdn_varlen",
+]
 
 L2NORM_EPS = 1e-6
 
@@ -229,3 +231,46 @@ def gdn_sequence(
     g, beta = gdn_gating(A_log, a, b, dt_bias)
     o, new_state = gdn_recurrent(q, k, v, g, beta, state)
     return o, new_conv_state, new_state
+
+
+def gdn_varlen(
+    mixed_qkv: torch.Tensor,
+    ranges: list[tuple[int, int]],
+    conv_weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    A_log: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    dt_bias: torch.Tensor,
+    states: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    activation: str | None = "silu",
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
+
+    Sequence ``j`` owns rows ``ranges[j] = (s, e)`` of ``mixed_qkv``, ``a`` and ``b``;
+    ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
+    (zeros for a new sequence). The conv and the gating are elementwise per token and the
+    recurrence is :func:`gdn_recurrent_varlen`, so no sequence's numbers depend on the others.
+    Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``.
+    """
+    key_dim = num_k_heads * head_k_dim
+    xs, new_conv = [], []
+    for j, (s, e) in enumerate(ranges):
+        x, cs = causal_conv1d(mixed_qkv[s:e], conv_weight, conv_states[j], activation)
+        xs.append(x)
+        new_conv.append(cs)
+    x = torch.cat(xs)
+    rows = torch.cat([torch.arange(s, e, device=a.device) for s, e in ranges])
+    T = x.shape[0]
+    q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
+    k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
+    v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
+    g, beta = gdn_gating(A_log, a[rows], b[rows], dt_bias)
+    cu = [0]
+    for s, e in ranges:
+        cu.append(cu[-1] + (e - s))
+    o, finals = gdn_recurrent_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
+    return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], torch.stack(new_conv), finals

@@ -84,6 +84,11 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
             f"vllm_bi: GDN state cache is {ssm_cache.dtype}, batch invariance needs float32 "
             "(--mamba-ssm-cache-dtype float32)"
         )
+    if mixed_qkv.is_cuda:
+        from vllm_bi.model_executor.cuda import bi_gdn_core_cuda
+
+        bi_gdn_core_cuda(layer, md, mixed_qkv, b, a, out)
+        return
     dim_first = is_conv_state_dim_first()
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()

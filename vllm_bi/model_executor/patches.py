@@ -22,7 +22,7 @@ symbol                                          why / how
 ``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` (CPU)
                                                 oneDNN/sgl GEMMs are M-dependent and drop the weight.
                                                 -> keep the weight, ``ops.linear.bi_linear``.
-``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated``  -> ``ops.norm`` (row-wise reductions).
+``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated`` (CPU)  -> ``ops.norm`` (row-wise reductions).
 ``SiluAndMul`` / ``RotaryEmbedding`` (CPU)      -> ``ops.activation`` / ``ops.rotary`` (same numbers as the
                                                 trainer's).
 ``CPUUnquantizedExperts`` + ``cpu_router._softmax_topk``
@@ -31,17 +31,29 @@ symbol                                          why / how
 ``topk_topp_sampler.random_sample``,           CPU generators have no offset: a seeded request whose
 ``TopKTopPSampler.forward_cpu``, runner         prompt is chunked kills the engine. -> per-request
 ``_update_states``                              generator keyed by (seed, draw index), rewindable.
-``Sampler.compute_logprobs``                    -> ``ops.softmax.log_softmax`` (the trainer's function).
+``Sampler.compute_logprobs`` (CPU)              -> ``ops.softmax.log_softmax`` (the trainer's function).
 ``CPUAttentionBackendImpl.forward`` /        stock kernel packs the cache per ISA and tiles by batch (and
 ``do_kv_cache_update`` (CPU)                    died with SIGILL under BI on AVX2). -> ``ops.attention``
                                                 over a plain [blocks, Hkv, block, 2D] cache layout.
-``ModelRegistry`` Qwen3_5ForCausalLM,         vLLM's qwen3_5.py imports the vision tower (torchvision,
+``ModelRegistry`` Qwen3_5ForCausalLM (CPU),   vLLM's qwen3_5.py imports the vision tower (torchvision,
 ``Qwen3_5MoeForCausalLM``                       unusable with CPU torch). -> text-only classes in
                                                 ``models/qwen3_5_text.py`` from Qwen3-Next's layers.
 ``CPUModelRunner.load_model``                   after loading, refuse any module type vllm_bi has not made
                                                 batch-invariant.
 ``Worker.vllm_bi_weight_digest`` (new method)   lets the trainer check over ``/collective_rpc`` that the
                                                 server holds its weights (``vllm_bi.weights``).
+CUDA (``model_executor/cuda.py``; GEMMs, mean,   vLLM's own BI mode covers the rest on CUDA; the entries
+softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied there.
+``QwenGatedDeltaNetAttention.forward_cuda``     stock: FLA chunked prefill, two different decode kernels,
+                                                bf16 state. -> ``gdn.bi_gdn_forward`` -> ``cuda.bi_gdn_core_cuda``
+                                                (torch conv/gating + fla-core fused recurrent, fp32 state).
+``RMSNormGated.forward_cuda`` (CUDA)            FLA ``layer_norm_fwd`` groups rows by token count.
+                                                -> vLLM's ``forward_native`` (BI ``mean``).
+``GemmaRMSNorm.forward_cuda`` (CUDA)            vLLM IR ``rms_norm`` (provider picked at run time).
+                                                -> same formula with vLLM's BI ``mean``.
+``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
+                                                attention backend TRITON_ATTN when none is chosen (FA3
+                                                decode != prefill for ~500-token contexts on H200).
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -103,6 +115,25 @@ def _patch_engine_args() -> None:
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
+        if current_platform.is_cuda():
+            chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
+            if chosen is None:
+                self.attention_backend = "TRITON_ATTN"
+                logger.warning(
+                    "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (with FLASH_ATTN, decode and "
+                    "prefill logprobs differed for ~500-token contexts on an H200)"
+                )
+            elif "TRITON_ATTN" not in str(chosen):
+                logger.warning(
+                    "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
+                    "measured with TRITON_ATTN on CUDA", chosen,
+                )
+        if current_platform.is_cuda() and not self.enforce_eager:
+            self.enforce_eager = True
+            logger.warning(
+                "vllm_bi: batch invariance on CUDA: eager mode (the BI GDN core reads scheduler metadata "
+                "on the host, so it cannot be captured in CUDA graphs)"
+            )
         return orig(self, *args, **kwargs)
 
     create_engine_config._vllm_bi = True
@@ -440,19 +471,26 @@ def apply_all() -> list[str]:
     # Processes that never run the model (e.g. the model-inspection subprocess) may see an
     # unspecified platform; only an accelerator platform is refused.
     cpu = not (current_platform.is_cuda_alike() or current_platform.is_xpu())
-    if not cpu and os.environ.get("VLLM_BI_ALLOW_UNVERIFIED_DEVICE") != "1":
+    # CUDA: serving parity measured on an H200 (docs/results/2026-11-29-h200-vllm-serving.md).
+    # ROCm and XPU: never run; refused unless explicitly allowed.
+    verified = cpu or current_platform.is_cuda()
+    if not verified and os.environ.get("VLLM_BI_ALLOW_UNVERIFIED_DEVICE") != "1":
         raise RuntimeError(
-            f"vllm_bi: batch invariance is implemented for the CPU build of vLLM only in this release; "
-            f"the current platform is {current_platform.device_name!r}. Unset VLLM_BATCH_INVARIANT "
-            "to run stock vLLM."
+            f"vllm_bi: batch invariance is implemented for the CPU and CUDA builds of vLLM; "
+            f"the current platform is {current_platform.device_name!r}, which was never verified. "
+            "Unset VLLM_BATCH_INVARIANT to run stock vLLM."
         )
     _patch_engine_args()
     _patch_gdn()
-    _register_models()
-    _patch_layers(cpu)
-    _patch_logprobs()
     _patch_worker_rpc()
+    if current_platform.is_cuda():
+        from vllm_bi.model_executor.cuda import apply_cuda
+
+        apply_cuda(_patch, PATCHED)
     if cpu:
+        _register_models()
+        _patch_layers(cpu)
+        _patch_logprobs()
         _patch_cpu_overrides()
         _patch_linear()
         _patch_moe_cpu()

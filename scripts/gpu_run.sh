@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
+#   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, serve-parity [ARGS after --]
+# Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
+# scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
+# installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
+# warm machine. vllm_bi itself is used from this checkout (PYTHONPATH) and made visible to vLLM's
+# plugin loader by a hand-written vllm_bi.dist-info with the `vllm.general_plugins` entry point.
+# Logs go to $OUT when set (the device tool's output folder).
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+SITE="${VLLM_BI_SITE:-/tmp/vllm_bi_site}"
+BUNDLE="${VLLM_BI_BUNDLE:-$REPO/.gpu_bundle}"
+LOG="${OUT:-/tmp}"
+mkdir -p "$SITE/bin"
+export PYTHONUNBUFFERED=1
+
+install_part() {
+  local p="$1" stamp
+  [ -f "$p/MANIFEST" ] || { echo "skip $p (no MANIFEST)"; return 0; }
+  stamp="$SITE/.installed.$(basename "$p").$(sha256sum "$p/MANIFEST" | cut -c1-16)"
+  [ -f "$stamp" ] && { echo "already installed: $p"; return 0; }
+  ( cd "$p" && grep -v '^#' MANIFEST | sha256sum -c --quiet ) || { echo "ERROR: $p fails its MANIFEST" >&2; return 1; }
+  if ls "$p"/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$p"/*.whl
+  fi
+  [ -f "$p/vllm_py.tar.xz" ] && tar -xJf "$p/vllm_py.tar.xz" -C "$SITE"
+  local f
+  for f in "$p"/*.so.xz; do
+    [ -e "$f" ] || continue
+    case "$(basename "$f")" in
+      _vllm_fa3_C*) dst="$SITE/vllm/vllm_flash_attn" ;;
+      *) dst="$SITE/vllm" ;;
+    esac
+    mkdir -p "$dst"; xz -dc "$f" > "$dst/$(basename "$f" .xz)"
+  done
+  touch "$stamp"; echo "installed $p"
+}
+
+install_all() {
+  local p
+  for p in "$BUNDLE"/part*; do [ -d "$p" ] && install_part "$p"; done
+  # vllm_bi from this checkout, with distribution metadata so vLLM finds the plugin.
+  local di="$SITE/vllm_bi-0.0.0+checkout.dist-info"
+  rm -rf "$SITE"/vllm_bi-*.dist-info; mkdir -p "$di"
+  printf 'Metadata-Version: 2.1\nName: vllm_bi\nVersion: 0.0.0+checkout\n' > "$di/METADATA"
+  printf '[vllm.general_plugins]\nvllm_bi = vllm_bi.plugin:register\n\n[console_scripts]\nvllm-bi = vllm_bi.cli:main\n' > "$di/entry_points.txt"
+  : > "$di/RECORD"
+  # vLLM starts its engine with multiprocessing "spawn", which re-imports __main__: keep the guard.
+  printf '#!/usr/bin/env python3\nimport sys\nfrom vllm.entrypoints.cli.main import main\nif __name__ == "__main__":\n    sys.exit(main())\n' > "$SITE/bin/vllm"
+  chmod +x "$SITE/bin/vllm"
+}
+
+env_setup() {
+  export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  export PATH="$SITE/bin:$PATH"
+  export VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+}
+
+job_check() {
+  python3 - <<'PY'
+import importlib.metadata as md, torch, triton
+import vllm, fla
+print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__, "fla", md.version("fla-core"))
+print("device", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
+eps = [e for e in md.entry_points(group="vllm.general_plugins")]
+print("vllm.general_plugins:", [(e.name, e.value) for e in eps])
+PY
+}
+
+install_all
+env_setup
+[ $# -eq 0 ] && set -- install
+while [ $# -gt 0 ]; do
+  job="$1"; shift
+  case "$job" in
+    install) ;;
+    check) job_check 2>&1 | tee "$LOG/check.log" ;;
+    kernels) python3 -m pytest -p no:cacheprovider -m gpu "$REPO/tests/gpu" -v -rs 2>&1 | tee "$LOG/kernels.log" ;;
+    serve-parity)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      python3 "$REPO/scripts/gpu_serve_parity.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/serve-parity.log" ;;
+    *) echo "unknown job $job" >&2; exit 2 ;;
+  esac
+done
