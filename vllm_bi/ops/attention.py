@@ -41,8 +41,7 @@ def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int] | torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Return ``[Tq, H, D]`` in q.dtype."""
-    if q.device.type != "cpu":
-        raise NotImplementedError("vllm_bi.ops.attention: CPU only in this release")
+    dev = q.device
     positions = [int(p) for p in (positions.tolist() if torch.is_tensor(positions) else positions)]
     Tq, H, D = q.shape
     L, Hkv = k.shape[0], k.shape[1]
@@ -51,7 +50,7 @@ def causal_attention(
     if positions and max(positions) >= L:
         raise ValueError(f"query position {max(positions)} has no key (only {L} keys)")
     rep = H // Hkv
-    out = torch.empty((Tq, H, D), dtype=q.dtype)
+    out = torch.empty((Tq, H, D), dtype=q.dtype, device=dev)
     k64 = k.to(torch.float64).repeat_interleave(rep, dim=1)  # [L, H, D]
     v32 = v.to(torch.float32).repeat_interleave(rep, dim=1)
     buckets: dict[int, list[int]] = {}
@@ -59,15 +58,15 @@ def causal_attention(
         buckets.setdefault(bucket_len(p + 1), []).append(i)
     for B, rows in buckets.items():
         n = min(B, L)
-        kb = torch.zeros((B, H, D), dtype=torch.float64)
+        kb = torch.zeros((B, H, D), dtype=torch.float64, device=dev)
         kb[:n] = k64[:n]
-        vt = torch.zeros((H, D, B), dtype=torch.float32)  # values with keys on the last dim
+        vt = torch.zeros((H, D, B), dtype=torch.float32, device=dev)  # values with keys on the last dim
         vt[:, :, :n] = v32[:n].permute(1, 2, 0)
         kt = kb.permute(1, 2, 0)  # [H, D, B]
-        key_idx = torch.arange(B)
+        key_idx = torch.arange(B, device=dev)
         for c in range(0, len(rows), _ROW_CHUNK):
             idx = rows[c : c + _ROW_CHUNK]
-            pos = torch.tensor([positions[i] for i in idx])
+            pos = torch.tensor([positions[i] for i in idx], device=dev)
             qi = q[idx].to(torch.float64)  # [r, H, D]
             # exact scores: per (row, head) a [1, D] @ [D, B] in float64
             s = torch.einsum("rhd,hdb->rhb", qi, kt).to(torch.float32) * scale

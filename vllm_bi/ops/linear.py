@@ -1,6 +1,6 @@
 """Batch-invariant GEMM: ``y = x @ W.T (+ b)``.
 
-CPU: the product is accumulated in float64. Every bf16×bf16 product is exact
+The product is accumulated in float64, on CPU and on CUDA alike. Every bf16×bf16 product is exact
 in float64 (16 significant bits), and so is their sum as long as the terms
 span fewer than ~2^37 in magnitude (53 − 16 bits) — always true for trained
 and random-init weights and activations. An exact sum has no order, so the
@@ -21,12 +21,11 @@ import torch
 __all__ = ["bi_linear", "bi_mm", "bi_bmm"]
 
 
-def _check_cpu(*ts: torch.Tensor) -> None:
+def _check_device(*ts: torch.Tensor) -> None:
     for t in ts:
-        if t is not None and t.device.type != "cpu":
+        if t is not None and t.device.type not in ("cpu", "cuda"):
             raise NotImplementedError(
-                f"vllm_bi.ops.linear: no batch-invariant GEMM for device {t.device.type!r} yet "
-                "(CPU only in this release)"
+                f"vllm_bi.ops.linear: no batch-invariant GEMM for device {t.device.type!r} (float64 needed: cpu, cuda)"
             )
 
 
@@ -37,7 +36,7 @@ def bi_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x[..., K] @ weight[N, K].T + bias[N]`` -> ``[..., N]`` in ``out_dtype`` (default x.dtype)."""
-    _check_cpu(x, weight, bias)
+    _check_device(x, weight, bias)
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float64)
@@ -49,14 +48,14 @@ def bi_linear(
 
 def bi_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a[M, K] @ b[K, N]`` with exact (float64) accumulation."""
-    _check_cpu(a, b)
+    _check_device(a, b)
     out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
     return torch.mm(a.to(torch.float64), b.to(torch.float64)).to(out_dtype)
 
 
 def bi_bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a[B, M, K] @ b[B, K, N]``, each batch entry by :func:`bi_mm` (no batch-wide kernel choice)."""
-    _check_cpu(a, b)
+    _check_device(a, b)
     out_dtype = out_dtype or torch.promote_types(a.dtype, b.dtype)
     if a.shape[0] == 0:
         return a.new_empty((0, a.shape[1], b.shape[2]), dtype=out_dtype)

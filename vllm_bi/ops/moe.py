@@ -43,11 +43,11 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype."""
     T, k = topk_ids.shape
-    out32 = torch.zeros((T, w2.shape[1]), dtype=torch.float32)
+    out32 = torch.zeros((T, w2.shape[1]), dtype=torch.float32, device=x.device)
     if T == 0:
         return out32.to(x.dtype)
     ids = topk_ids.long()
-    per_slot = torch.zeros((T, k, w2.shape[1]), dtype=torch.float32)
+    per_slot = torch.zeros((T, k, w2.shape[1]), dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[tok]

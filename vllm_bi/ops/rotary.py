@@ -49,6 +49,8 @@ def apply_rotary(
     Math in fp32, one rounding to the input dtype.
     """
     positions = positions.flatten()
+    if cos_sin_cache.device != positions.device:
+        cos_sin_cache = cos_sin_cache.to(positions.device)
     cs = cos_sin_cache.index_select(0, positions).float()
     cos, sin = cs.chunk(2, dim=-1)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.attention.gdn_recurrent import gdn_sequence
+from vllm_bi.attention.gdn_recurrent import gdn_sequence, gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention
@@ -168,7 +168,7 @@ class Attention(nn.Module):
         v = bi_linear(x_TD, self.v_proj)
         cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta)
         q, k = apply_rotary(positions_T, q, k, cache, Dh, c.rotary_dim, True)
-        out = torch.empty((T, H, Dh), dtype=x_TD.dtype)
+        out = torch.empty((T, H, Dh), dtype=x_TD.dtype, device=x_TD.device)
         for i in range(len(cu) - 1):
             s, e = cu[i], cu[i + 1]
             out[s:e] = causal_attention(
@@ -221,6 +221,16 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed, z, b, a = self._project(x_TD)
         w = self.conv1d.reshape(self.conv1d.shape[0], -1)
+        if x_TD.is_cuda:  # the server's CUDA path: one fla-core varlen launch, fp32 zero states
+            n, dev = len(cu) - 1, x_TD.device
+            outs, _, _ = gdn_varlen(
+                mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
+                torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
+                self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
+            )
+            core = torch.cat(outs).to(x_TD.dtype)
+            y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
+            return bi_linear(y.reshape(T, self.value_dim), self.out_proj)
         core = torch.zeros((T, Hv, V), dtype=x_TD.dtype)
         for i in range(len(cu) - 1):
             s, e = cu[i], cu[i + 1]
@@ -401,7 +411,7 @@ class GDNHybridForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor) -> torch.Tensor:
         """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        positions = torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)])
+        positions = torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]).to(input_ids.device)
         h = self.embed_tokens[input_ids]
         residual = None
         for layer in self.layers:
@@ -414,7 +424,7 @@ class GDNHybridForCausalLM(nn.Module):
         """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per sequence (last of each is NaN)."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
         lp = log_softmax(self(input_ids, cu), dim=-1, dtype=torch.float32)
-        out = torch.full((input_ids.shape[0],), float("nan"))
+        out = torch.full((input_ids.shape[0],), float("nan"), device=input_ids.device)
         for i in range(len(cu) - 1):
             s, e = cu[i], cu[i + 1]
             if e - s > 1:

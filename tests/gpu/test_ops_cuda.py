@@ -1,0 +1,77 @@
+"""The op library on CUDA: every op's output for a row/sequence is the same whatever else is in the
+batch (exact equality), and the GEMM gives the same bits on CUDA as on CPU (exact float64 sums).
+Then the trainer model on CUDA: a sequence's logprobs packed alone == packed with others.
+
+Run on a GPU machine: `pytest -m gpu tests/gpu` (skipped without CUDA). Correctness tolerances are
+stated per test (against float64 references)."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from vllm_bi.ops.attention import causal_attention  # noqa: E402
+from vllm_bi.ops.linear import bi_linear  # noqa: E402
+from vllm_bi.ops.norm import rms_norm  # noqa: E402
+from vllm_bi.ops.reduce import row_sum  # noqa: E402
+from vllm_bi.ops.softmax import log_softmax  # noqa: E402
+
+DEV = "cuda"
+MS = (1, 3, 16, 64, 257, 1024, 4096)
+
+
+def _rows(n, d, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g).to(dtype)
+
+
+def test_bi_linear_is_invariant_and_equals_cpu():
+    x, w = _rows(4096, 4096), _rows(4096, 4096, 1) * 0.02
+    xc, wc = x.to(DEV), w.to(DEV)
+    ref_row0 = bi_linear(x[:1], w)  # CPU
+    for m in MS:
+        y = bi_linear(xc[:m], wc)
+        assert torch.equal(y[:1].cpu(), ref_row0), m
+    exact = (x[:4].double() @ w.double().t()).to(torch.bfloat16)  # exact sum, one rounding
+    assert torch.equal(bi_linear(xc[:4], wc).cpu(), exact)
+
+
+def test_row_sum_log_softmax_rms_norm_invariant():
+    x = torch.randn(4096, 151936 // 8, device=DEV)
+    for fn in (lambda t: row_sum(t), lambda t: log_softmax(t, -1), lambda t: rms_norm(t.bfloat16(), torch.ones(t.shape[-1], device=DEV), 1e-6)):
+        full = fn(x)
+        for m in MS:
+            assert torch.equal(fn(x[:m])[:1], full[:1]), m
+    ref = x[:8].double().sum(-1, keepdim=True)
+    assert float(((row_sum(x[:8]).double() - ref).abs() / ref.abs()).max()) < 1e-4  # fp32 accumulation
+
+
+def test_attention_row_depends_on_position_only():
+    g = torch.Generator().manual_seed(0)
+    L, H, Hkv, D = 300, 8, 2, 128
+    q, k, v = (torch.randn(L, h, D, generator=g).bfloat16().to(DEV) for h in (H, Hkv, Hkv))
+    full = causal_attention(q, k, v, list(range(L)), D**-0.5)
+    for p in (0, 17, 150, 299):
+        one = causal_attention(q[p : p + 1], k[: p + 1], v[: p + 1], [p], D**-0.5)
+        assert torch.equal(one, full[p : p + 1]), p
+
+
+def test_trainer_model_packing_invariant_on_cuda(tiny_model_path):
+    pytest.importorskip("fla")
+    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+
+    model = GDNHybridForCausalLM.from_pretrained(tiny_model_path("qwen3.5")).to(DEV)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 1000, (n,), generator=g) for n in (37, 5, 120, 64)]
+    with torch.no_grad():
+        alone = [model.token_logprobs(s.to(DEV), [0, len(s)]).cpu() for s in seqs]
+        cu = [0]
+        for s in seqs:
+            cu.append(cu[-1] + len(s))
+        packed = model.token_logprobs(torch.cat(seqs).to(DEV), cu).cpu()
+    for i, a in enumerate(alone):
+        got = packed[cu[i] : cu[i + 1]]
+        assert torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(got, 7.0)), i
