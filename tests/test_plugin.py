@@ -87,6 +87,19 @@ def test_speculative_decoding_is_refused(tiny_model_path):
     assert r.returncode != 0 and "speculative decoding is not batch-invariant" in r.stderr
 
 
+@pytest.mark.parametrize("family,args,message", [
+    ("qwen3-next", "tensor_parallel_size=2", "tensor parallelism (--tensor-parallel-size 2) with MoE layers"),
+    ("qwen3.5", "pipeline_parallel_size=2", "pipeline parallelism (--pipeline-parallel-size 2) is not verified"),
+])
+def test_unverified_parallelism_is_refused(tiny_model_path, family, args, message):
+    code = (
+        "from vllm.engine.arg_utils import EngineArgs\n"
+        f"EngineArgs(model={tiny_model_path(family)!r}, {args}).create_engine_config()\n"
+    )
+    r = _run(code, bi=True)
+    assert r.returncode != 0 and message in r.stderr, r.stderr[-3000:]
+
+
 def test_auto_state_cache_becomes_float32(tiny_model_path):
     code = (
         "from vllm.engine.arg_utils import EngineArgs\n"

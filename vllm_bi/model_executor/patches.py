@@ -22,6 +22,10 @@ symbol                                          why / how
 ``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` (CPU)
                                                 oneDNN/sgl GEMMs are M-dependent and drop the weight.
                                                 -> keep the weight, ``ops.linear.bi_linear``.
+``RowParallelLinear.forward`` (CPU, TP > 1)     partial products rounded before the all-reduce differ from
+                                                TP = 1. -> exact float64 partials, gathered and added, one
+                                                rounding (TP = 2 == TP = 1 == trainer). MoE + TP, PP > 1
+                                                and TP on CUDA are refused (engine-config check).
 ``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated`` (CPU)  -> ``ops.norm`` (row-wise reductions).
 ``SiluAndMul`` / ``RotaryEmbedding`` (CPU)      -> ``ops.activation`` / ``ops.rotary`` (same numbers as the
                                                 trainer's).
@@ -134,10 +138,33 @@ def _patch_engine_args() -> None:
                 "vllm_bi: batch invariance on CUDA: eager mode (the BI GDN core reads scheduler metadata "
                 "on the host, so it cannot be captured in CUDA graphs)"
             )
-        return orig(self, *args, **kwargs)
+        config = orig(self, *args, **kwargs)
+        _check_parallelism(config, current_platform)
+        return config
 
     create_engine_config._vllm_bi = True
     _patch(EngineArgs, "create_engine_config", create_engine_config)
+
+
+def _check_parallelism(config, platform) -> None:
+    par = config.parallel_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if pp > 1:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: pipeline parallelism (--pipeline-parallel-size {pp}) is not verified batch-invariant yet; "
+            "use --pipeline-parallel-size 1 or unset VLLM_BATCH_INVARIANT.")
+    if tp == 1:
+        return
+    if not platform.is_cpu():
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
+            "use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT.")
+    text = config.model_config.hf_text_config
+    if int(getattr(text, "num_experts", 0) or 0) > 0:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is not batch-invariant "
+            "yet (the experts' partial sums are rounded before the all-reduce); use --tensor-parallel-size 1.")
+    logger.info("vllm_bi: tensor parallelism %d: row-parallel layers all-reduce exact float64 partial sums", tp)
 
 
 # --------------------------------------------------------------------------- GDN
@@ -197,13 +224,51 @@ def _keep_weight(self, layer) -> None:
     return None
 
 
+def _exact_tp_sum(y64: torch.Tensor) -> torch.Tensor:
+    """Sum a float64 tensor over the TP ranks. vLLM's CPU all-reduce has no float64, so the partials are
+    all-gathered bit for bit (as float32 pairs) and added locally; exact partials sum exactly in any order."""
+    from vllm.distributed import get_tp_group
+
+    rows, cols = y64.shape
+    parts = get_tp_group().all_gather(y64.contiguous().view(torch.float32), dim=0)  # [tp*rows, 2*cols]
+    return parts.view(torch.float64).reshape(-1, rows, cols).sum(dim=0)
+
+
+def _row_parallel_forward(orig):
+    """TP > 1: each rank's partial product is an exact float64 sum, the ranks' exact partials are added
+    (exactly, so in any order), and the result is rounded once: the same bits as TP = 1."""
+
+    @functools.wraps(orig)
+    def forward(self, input_):
+        if self.tp_size == 1 or not self.reduce_results:
+            return orig(self, input_)
+        from vllm.distributed import split_tensor_along_last_dim
+
+        x = input_ if self.input_is_parallel else split_tensor_along_last_dim(
+            input_, num_partitions=self.tp_size)[self.tp_rank].contiguous()
+        lead = x.shape[:-1]
+        y = torch.mm(x.reshape(-1, x.shape[-1]).to(torch.float64), self.weight.to(torch.float64).t())
+        y = _exact_tp_sum(y)
+        if self.bias is not None and not self.skip_bias_add:
+            y = y + self.bias.to(torch.float64)
+        out = y.to(input_.dtype).reshape(*lead, y.shape[-1])
+        if not self.return_bias:
+            return out
+        return out, (self.bias if self.skip_bias_add else None)
+
+    forward._vllm_bi = True
+    return forward
+
+
 def _patch_linear() -> None:
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.linear import RowParallelLinear, UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     for cls in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
         _patch(cls, "process_weights_after_loading", _keep_weight)
         _patch(cls, "apply", _bi_linear_apply)
+    if not getattr(RowParallelLinear.forward, "_vllm_bi", False):
+        _patch(RowParallelLinear, "forward", _row_parallel_forward(RowParallelLinear.forward))
 
 
 def _gemma_rms_forward(self, x, residual=None):
