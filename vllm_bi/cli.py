@@ -119,6 +119,7 @@ def _cmd_parity(args) -> int:
         trainer=args.trainer,
         trainer_model=args.trainer_model,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        trainer_device=args.trainer_device,
         log=log,
     )
     print(report.to_json() if args.json else report.table())
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--trainer-model", default=None, help="checkpoint the trainer loads (default: --model)")
     pa.add_argument("--max-num-batched-tokens", type=int, default=64,
                     help="token budget of the server this command starts (default 64: prompts get split)")
+    pa.add_argument("--trainer-device", default=None, choices=["cpu", "cuda"],
+                    help="where the trainer recomputes (default: cuda when available, else cpu; it must be the "
+                    "server's device: CPU and GPU math libraries round exp/log differently)")
     pa.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pa.set_defaults(fn=_cmd_parity)
 

@@ -83,9 +83,11 @@ class ParityReport:
 
 
 def trainer_logprobs(model, completions, pack: int = 8, progress=lambda it: it) -> list[list[float]]:
-    """The trainer model's logprob of every sampled token of ``completions``, ``pack`` sequences per forward."""
+    """The trainer model's logprob of every sampled token of ``completions``, ``pack`` sequences per forward
+    (on the device the model's parameters are on)."""
     import torch
 
+    device = next(model.parameters()).device
     out = []
     for i in progress(range(0, len(completions), pack)):
         group = completions[i : i + pack]
@@ -94,28 +96,35 @@ def trainer_logprobs(model, completions, pack: int = 8, progress=lambda it: it) 
         for s in seqs:
             cu.append(cu[-1] + len(s))
         with torch.no_grad():
-            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s]), cu)
+            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s], device=device), cu).cpu()
         for j, c in enumerate(group):
             n = len(c.prompt_ids)
             out.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
     return out
 
 
-def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress):
+def default_trainer_device() -> str:
+    """The server's device: a GPU server's transcendental functions (exp, log, ...) differ from the CPU's."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress, device: str):
     from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 
-    return trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model_dir), completions, pack, progress)
+    return trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model_dir).to(device), completions, pack, progress)
 
 
-def _recompute_hf(model_dir: str, completions, pack: int, progress):
+def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str = "cpu"):
     import torch
     import transformers
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    model = getattr(transformers, cfg.architectures[0]).from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = getattr(transformers, cfg.architectures[0]).from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     out = []
     for c in progress(completions):
-        ids = torch.tensor([c.prompt_ids + c.token_ids])
+        ids = torch.tensor([c.prompt_ids + c.token_ids], device=device)
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[0].float(), -1)
         n = len(c.prompt_ids)
@@ -134,6 +143,7 @@ def run_parity(
     trainer: str = "vllm_bi",
     trainer_model: str | None = None,
     max_num_batched_tokens: int = 64,
+    trainer_device: str | None = None,
     show_progress: bool = True,
     log=print,
 ) -> ParityReport:
@@ -169,7 +179,7 @@ def run_parity(
         return tqdm(it, desc=f"recomputing with the {trainer} trainer", disable=not show_progress)
 
     recompute = _recompute_vllm_bi if trainer == "vllm_bi" else _recompute_hf
-    mine = recompute(trainer_model or model, completions, 8, progress)
+    mine = recompute(trainer_model or model, completions, 8, progress, trainer_device or default_trainer_device())
     tokens = equal = 0
     max_d = sum_d = 0.0
     first = None

@@ -1,9 +1,13 @@
-"""vLLM glue: the CPU attention backend routed to :func:`vllm_bi.ops.attention.causal_attention`.
+"""vLLM glue: attention backends routed to :func:`vllm_bi.ops.attention.causal_attention`.
 
 The stock CPU_ATTN kernel packs its cache per ISA and picks its tiling from
 the batch; under batch invariance vllm_bi owns the cache layout instead
 (``kv_cache [num_blocks, Hkv, block_size, 2*D]``: key in ``[..., :D]``, value
 in ``[..., D:]``) and computes each sequence's queries from its own blocks.
+
+That is also the logical layout of vLLM's TRITON_ATTN cache on CUDA, so
+:func:`bi_attn_forward` serves both (on CUDA the stock ``do_kv_cache_update``
+writes the cache: a copy, exact).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import torch
 
 from vllm_bi.ops.attention import causal_attention
 
-__all__ = ["bi_cpu_attn_forward", "bi_cpu_kv_cache_update"]
+__all__ = ["bi_attn_forward", "bi_cpu_attn_forward", "bi_cpu_kv_cache_update"]
 
 
 def _unsupported(impl) -> str | None:
@@ -40,8 +44,8 @@ def bi_cpu_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> N
     kv_cache[blk, :, off, :] = rows[valid]
 
 
-def bi_cpu_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
-                        output_block_scale=None):
+def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
     if output_scale is not None or output_block_scale is not None:
         raise NotImplementedError("vllm_bi: fused output quantization is not batch-invariant")
     if attn_metadata is None:
@@ -49,6 +53,8 @@ def bi_cpu_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata,
     reason = _unsupported(self)
     if reason:
         raise NotImplementedError(f"vllm_bi: attention with {reason} is not batch-invariant yet")
+    if getattr(self, "attn_type", "decoder") != "decoder":  # AttentionType is a str enum
+        raise NotImplementedError(f"vllm_bi: {self.attn_type} attention is not batch-invariant yet")
     if not attn_metadata.causal:
         raise NotImplementedError("vllm_bi: non-causal attention is not batch-invariant yet")
     _, hkv, block_size, two_d = kv_cache.shape
@@ -68,3 +74,6 @@ def bi_cpu_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata,
         positions = list(range(L - (e - s), L))
         out_v[s:e] = causal_attention(q_all[s:e], kv[..., :d], kv[..., d:], positions, self.scale).to(output.dtype)
     return output
+
+
+bi_cpu_attn_forward = bi_attn_forward

@@ -95,3 +95,54 @@ def apply_cuda(patch, patched: list[str]) -> None:
 
     patch(GemmaRMSNorm, "forward_cuda", gemma_rms_forward_cuda)
     patch(RMSNormGated, "forward_cuda", gated_rms_forward_cuda)
+
+
+# --------------------------------------------------------------------------- the op library on CUDA (opt-in)
+
+CUDA_OPS_ENV = "VLLM_BI_CUDA_OPS"
+
+
+def own_ops_requested() -> bool:
+    """``VLLM_BI_CUDA_OPS=vllm_bi``: serve with vllm_bi's op library on CUDA too (the trainer's ops).
+
+    Experimental: needed for trainer == server on GPU; its serving and trainer parity are not yet
+    measured on a GPU (``tests/gpu/test_trainer_parity_gpu.py``). Default (``vllm``): vLLM's own BI
+    kernels for GEMMs, norms and attention, measured batch-invariant for serving on an H200.
+    """
+    import os
+
+    value = os.environ.get(CUDA_OPS_ENV, "vllm").strip().lower()
+    if value not in ("vllm", "vllm_bi"):
+        raise ValueError(f"{CUDA_OPS_ENV}={value!r}: choose 'vllm' (default) or 'vllm_bi'")
+    return value == "vllm_bi"
+
+
+def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Model Runner V2's ``compute_token_logprobs`` through the op library's log-softmax."""
+    from vllm_bi.ops.softmax import log_softmax
+
+    return log_softmax(logits, dim=-1, dtype=torch.float32).gather(1, token_ids.to(torch.int64))
+
+
+def apply_cuda_own_ops(patch) -> None:
+    """Route linear, norms, activation, rotary, attention and returned logprobs to ``vllm_bi.ops`` on CUDA."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm, RMSNormGated
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+    from vllm.v1.worker.gpu.sample import logprob, prompt_logprob
+
+    from vllm_bi.model_executor import patches as P
+    from vllm_bi.model_executor.attention import bi_attn_forward
+
+    for cls, fn in ((GemmaRMSNorm, P._gemma_rms_forward), (RMSNorm, P._rms_forward),
+                    (RMSNormGated, P._gated_rms_forward)):
+        for name in ("forward_cuda", "forward_native"):
+            patch(cls, name, fn)
+    patch(SiluAndMul, "forward_cuda", P._silu_mul_forward)
+    patch(RotaryEmbedding, "forward_cuda", P._rotary_forward)
+    P._patch_linear()
+    P._patch_logprobs()
+    patch(logprob, "compute_token_logprobs", _token_logprobs)
+    patch(prompt_logprob, "compute_token_logprobs", _token_logprobs)
+    patch(TritonAttentionImpl, "forward", bi_attn_forward)

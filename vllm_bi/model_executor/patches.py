@@ -55,6 +55,11 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
                                                 -> vLLM's ``forward_native`` (BI ``mean``).
 ``GemmaRMSNorm.forward_cuda`` (CUDA)            vLLM IR ``rms_norm`` (provider picked at run time).
                                                 -> same formula with vLLM's BI ``mean``.
+``VLLM_BI_CUDA_OPS=vllm_bi`` (CUDA, opt-in)     the CPU routing above (linear, norms, SiLU-mul, rotary,
+                                                logprobs incl. Model Runner V2's ``compute_token_logprobs``)
+                                                plus TRITON_ATTN's forward -> ``attention.bi_attn_forward``:
+                                                the trainer's ops on the server (needed for trainer ==
+                                                server on GPU; not yet measured on a GPU; MoE refused).
 ``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
                                                 attention backend TRITON_ATTN when none is chosen (FA3
                                                 decode != prefill for ~500-token contexts on H200).
@@ -127,6 +132,10 @@ def _patch_engine_args() -> None:
                     "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (with FLASH_ATTN, decode and "
                     "prefill logprobs differed for ~500-token contexts on an H200)"
                 )
+            elif "TRITON_ATTN" not in str(chosen) and os.environ.get("VLLM_BI_CUDA_OPS", "").lower() == "vllm_bi":
+                raise BatchInvarianceConfigError(
+                    f"vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi routes TRITON_ATTN's attention only; the chosen backend "
+                    f"{chosen} would bypass it. Drop --attention-backend or choose TRITON_ATTN.")
             elif "TRITON_ATTN" not in str(chosen):
                 logger.warning(
                     "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
@@ -153,6 +162,13 @@ def _check_parallelism(config, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: pipeline parallelism (--pipeline-parallel-size {pp}) is not verified batch-invariant yet; "
             "use --pipeline-parallel-size 1 or unset VLLM_BATCH_INVARIANT.")
+    if platform.is_cuda():
+        from vllm_bi.model_executor.cuda import own_ops_requested
+
+        if own_ops_requested() and int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0:
+            raise BatchInvarianceConfigError(
+                "vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi does not cover MoE layers yet; unset it (vLLM's own BI "
+                "kernels serve MoE models batch-invariantly) or use a dense model.")
     if tp == 1:
         return
     if not platform.is_cpu():
@@ -549,9 +565,12 @@ def apply_all() -> list[str]:
     _patch_gdn()
     _patch_worker_rpc()
     if current_platform.is_cuda():
-        from vllm_bi.model_executor.cuda import apply_cuda
+        from vllm_bi.model_executor.cuda import apply_cuda, apply_cuda_own_ops, own_ops_requested
 
-        apply_cuda(_patch, PATCHED)
+        if own_ops_requested():
+            apply_cuda_own_ops(_patch)
+        else:
+            apply_cuda(_patch, PATCHED)
     if cpu:
         _register_models()
         _patch_layers(cpu)

@@ -68,8 +68,9 @@ def causal_attention(
             idx = rows[c : c + _ROW_CHUNK]
             pos = torch.tensor([positions[i] for i in idx], device=dev)
             qi = q[idx].to(torch.float64)  # [r, H, D]
-            # exact scores: per (row, head) a [1, D] @ [D, B] in float64
-            s = torch.einsum("rhd,hdb->rhb", qi, kt).to(torch.float32) * scale
+            # exact scores: per head a [r, D] @ [D, B] GEMM in float64. torch.mm, not einsum/bmm: under
+            # vLLM's BI mode on CUDA, aten::bmm is overridden by a Triton kernel with no float64 path.
+            s = torch.stack([torch.mm(qi[:, h], kt[h]) for h in range(H)], dim=1).to(torch.float32) * scale
             mask = key_idx.view(1, 1, B) > pos.view(-1, 1, 1)
             s = s.masked_fill(mask, float("-inf"))
             m = torch.amax(s, dim=-1, keepdim=True)

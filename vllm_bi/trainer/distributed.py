@@ -31,6 +31,12 @@ class Dist:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.replicated: list[torch.nn.Parameter] = []
+        # The trainer runs where the server runs: CPU and GPU math libraries round exp/log differently.
+        self.device = "cpu"
+        if torch.cuda.is_available():
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            self.device = f"cuda:{local}"
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
@@ -62,7 +68,7 @@ class Dist:
         """Squared global norm of gradients: local shards summed over ranks, replicated ones counted once."""
         local = sum(float(g.to_local().double().pow(2).sum()) if _is_dtensor(g) else 0.0 for g in sharded)
         if self.world > 1:
-            t = torch.tensor([local], dtype=torch.float64)
+            t = torch.tensor([local], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             local = float(t)
         return local + sum(float(g.double().pow(2).sum()) for g in replicated)
@@ -77,7 +83,7 @@ class Dist:
     def reduce(self, value: float, op: str = "sum") -> float:
         if self.world == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return float(t)
 
@@ -96,5 +102,6 @@ def like(full_tensor: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     if _is_dtensor(ref):
         from torch.distributed.tensor import distribute_tensor
 
-        return distribute_tensor(full_tensor.to(ref.dtype), ref.device_mesh, ref.placements)
-    return full_tensor.to(ref.dtype)
+        local = ref.to_local()
+        return distribute_tensor(full_tensor.to(device=local.device, dtype=ref.dtype), ref.device_mesh, ref.placements)
+    return full_tensor.to(device=ref.device, dtype=ref.dtype)

@@ -126,10 +126,12 @@ def completion_logprobs(model, samples, entropy: bool = False):
     cu = [0]
     for s in seqs:
         cu.append(cu[-1] + len(s))
-    ids = torch.tensor([t for s in seqs for t in s])
+    dev = next(model.parameters()).device
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
     lp = log_softmax(model(ids, cu), dim=-1, dtype=torch.float32)
     rows = torch.cat([torch.arange(cu[i] + len(s.prompt_ids) - 1, cu[i + 1] - 1) for i, s in enumerate(samples)])
-    targets = torch.tensor([t for s in samples for t in s.completion_ids])
+    rows = rows.to(dev)
+    targets = torch.tensor([t for s in samples for t in s.completion_ids], device=dev)
     tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
     ent = 0.0
     if entropy:
@@ -162,13 +164,13 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         lps, ent = completion_logprobs(policy.model, mb, entropy=True)
         ent_sum += ent
         logp = torch.cat(lps)
-        old = torch.tensor([x for s in mb for x in s.logprobs], dtype=torch.float32)
+        old = torch.tensor([x for s in mb for x in s.logprobs], dtype=torch.float32, device=logp.device)
         d = (logp.detach() - old).abs()
         diff_sum, diff_max, n_diff = diff_sum + float(d.sum()), max(diff_max, float(d.max())), n_diff + int((d != 0).sum())
         if denom == 0:  # every group had identical rewards (dapo): nothing to learn from this batch
             continue
-        keep = torch.cat([torch.full((len(samples[i].completion_ids),), bool(use[i])) for i in idx])
-        a = torch.cat([torch.full((len(samples[i].completion_ids),), float(adv[i])) for i in idx])
+        keep = torch.cat([torch.full((len(samples[i].completion_ids),), bool(use[i])) for i in idx]).to(logp.device)
+        a = torch.cat([torch.full((len(samples[i].completion_ids),), float(adv[i])) for i in idx]).to(logp.device)
         loss, st = clipped_surrogate(logp[keep], old[keep], a[keep], cfg.clip_low, cfg.clip_high, denom)
         if not keep.any():
             loss = logp.sum() * 0.0  # still run backward: FSDP ranks must make the same collective calls
@@ -203,13 +205,13 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
     }
 
 
-def logprob_diff_at_version(model_dir: str, batch: RolloutBatch) -> float:
+def logprob_diff_at_version(model_dir: str, batch: RolloutBatch, device: str = "cpu") -> float:
     """Recompute ``batch`` with the weights it was sampled under; max |trainer - server| (0.0 = staleness only)."""
-    model = GDNHybridForCausalLM.from_pretrained(model_dir)
+    model = GDNHybridForCausalLM.from_pretrained(model_dir).to(device)
     with torch.no_grad():
         lps, _ = completion_logprobs(model, batch.samples)
     old = torch.tensor([x for s in batch.samples for x in s.logprobs], dtype=torch.float32)
-    return float((torch.cat(lps) - old).abs().max())
+    return float((torch.cat(lps).cpu() - old).abs().max())
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -246,7 +248,7 @@ def load_checkpoint(run_dir: str, policy: Policy, cfg: TrainerConfig) -> int | N
     path = os.path.join(_ckpt_dir(run_dir), "state.pt")
     if not os.path.exists(path):
         return None
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")
     old = state["config"]
     for key in ("prompts_per_step", "group_size", "task", "seed", "model_family"):
         if old.get(key) != getattr(cfg, key):
@@ -388,7 +390,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
-    model = GDNHybridForCausalLM.from_pretrained(model_dir)
+    model = GDNHybridForCausalLM.from_pretrained(model_dir).to(dist.device)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
     start = (load_checkpoint(cfg.run_dir, policy, cfg) if cfg.resume else None)
@@ -461,7 +463,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
                 if cfg.recompute_at_sample_version:
                     row["bit_wise/logprob_diff_at_sample_version/max"] = (
                         row["bit_wise/logprob_diff/max"] if batch.version == step
-                        else logprob_diff_at_version(sync.path(batch.version), batch))
+                        else logprob_diff_at_version(sync.path(batch.version), batch, dist.device))
                 with rollouts.swap_lock:
                     row.update(sync.push(model, step + 1, state))
                 rollouts.set_version(step + 1)

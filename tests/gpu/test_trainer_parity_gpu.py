@@ -1,0 +1,40 @@
+"""Trainer == server on CUDA (P4 on GPU): `vllm serve` with VLLM_BATCH_INVARIANT=1 and VLLM_BI_CUDA_OPS=vllm_bi
+(the server runs vllm_bi's op library, the trainer's ops), 8 prompts x 4 seeded samples in flight at once
+with prompts split by --max-num-batched-tokens 64; every sampled token's logprob recomputed by the trainer
+model on CUDA must be bitwise equal. Negative control: the default CUDA mode (vLLM's own BI kernels for GEMMs,
+norms, attention) serves batch-invariantly but does not give the trainer's bits.
+
+On the device: `scripts/gpu_run.sh install` (vLLM bundle), then `pytest -m gpu tests/gpu` (a few minutes).
+"""
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.server]
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+pytest.importorskip("fla")
+
+from vllm_bi.parity import run_parity  # noqa: E402
+from vllm_bi.testing.tiny_models import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model("qwen3.5", str(tmp_path_factory.mktemp("m") / "qwen3.5"))
+
+
+def test_trainer_equals_server_with_the_op_library_on_cuda(model, monkeypatch):
+    monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm_bi")
+    rep = run_parity(model, n=4, max_tokens=24, trainer_device="cuda", show_progress=False, log=print)
+    print(rep.table())
+    assert rep.tokens >= 8 * 4 * 20 and rep.ok, rep.table()
+
+
+def test_vllm_kernels_mode_does_not_give_the_trainer_bits(model, monkeypatch):
+    monkeypatch.delenv("VLLM_BI_CUDA_OPS", raising=False)
+    rep = run_parity(model, n=4, max_tokens=24, trainer_device="cuda", show_progress=False, log=print)
+    print(rep.table())
+    assert rep.tokens > 0 and not rep.ok
