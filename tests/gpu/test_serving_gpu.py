@@ -11,14 +11,11 @@ import subprocess
 import sys
 
 import pytest
+from gpu_env import require_cuda_vllm_fla
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("vllm")
-pytest.importorskip("fla")
+require_cuda_vllm_fla()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,14 +8,11 @@ On the device: `scripts/gpu_run.sh install` (vLLM bundle), then `pytest -m gpu t
 """
 
 import pytest
+from gpu_env import require_cuda_vllm_fla
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
-pytest.importorskip("vllm")
-pytest.importorskip("fla")
+require_cuda_vllm_fla()
 
 from vllm_bi.parity import run_parity  # noqa: E402
 from vllm_bi.testing.tiny_models import build_tiny_model  # noqa: E402

@@ -36,18 +36,13 @@ def bi_gdn_core_cuda(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     """Fill ``out [T, HV, V]`` for every scheduled sequence (CUDA) and update their state slots."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
+    from vllm_bi.model_executor.gdn import scheduled_sequences
+
     conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
     dim_first = is_conv_state_dim_first()
-    qsl = md.non_spec_query_start_loc.tolist()
-    slots = md.non_spec_state_indices_tensor.tolist()
-    n_dec, n_pre = md.num_decodes, md.num_prefills
-    has_init = [True] * n_dec
-    if n_pre:
-        has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
-    weight = layer.conv1d.weight
-    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    qsl, slots, has_init, weight = scheduled_sequences(layer, md)
     W = weight.shape[-1]
-    seqs = [i for i in range(n_dec + n_pre) if qsl[i + 1] > qsl[i]]
+    seqs = [i for i in range(len(has_init)) if qsl[i + 1] > qsl[i]]
     if not seqs:
         return
     dev = mixed_qkv.device

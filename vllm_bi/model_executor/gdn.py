@@ -69,6 +69,19 @@ def _metadata(layer):
     return md
 
 
+def scheduled_sequences(layer, md) -> tuple[list[int], list[int], list[bool], torch.Tensor]:
+    """From the GDN metadata: query start locations, state slots and whether each scheduled sequence
+    (decodes first, then prefills) continues from a stored state; and the conv weight as ``[D, W]``."""
+    qsl = md.non_spec_query_start_loc.tolist()
+    slots = md.non_spec_state_indices_tensor.tolist()
+    n_dec, n_pre = md.num_decodes, md.num_prefills
+    has_init = [True] * n_dec
+    if n_pre:
+        has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
+    weight = layer.conv1d.weight
+    return qsl, slots, has_init, weight.reshape(weight.shape[0], weight.shape[-1])
+
+
 def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
     """Fill ``out [T, HV, V]`` for every scheduled sequence and update its state slots."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -90,16 +103,9 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         bi_gdn_core_cuda(layer, md, mixed_qkv, b, a, out)
         return
     dim_first = is_conv_state_dim_first()
-    qsl = md.non_spec_query_start_loc.tolist()
-    slots = md.non_spec_state_indices_tensor.tolist()
-    n_dec, n_pre = md.num_decodes, md.num_prefills
-    has_init = [True] * n_dec
-    if n_pre:
-        has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
-    weight = layer.conv1d.weight
-    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    qsl, slots, has_init, weight = scheduled_sequences(layer, md)
     H = layer.num_k_heads // layer.tp_size
-    for i in range(n_dec + n_pre):
+    for i in range(len(has_init)):
         s, e, slot = qsl[i], qsl[i + 1], slots[i]
         if e == s:
             continue
