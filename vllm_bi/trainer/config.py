@@ -158,7 +158,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Async GRPO/DAPO against a live batch-invariant vLLM server, with bit-exact trainer logprobs. "
                     "Defaults < --config recipe < flags. Without options: the built-in 'digits' task on a small "
                     "random-weight Qwen3-Next, a server started for you, 40 steps (about 10 minutes on 2 CPU cores).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--config", help="TOML recipe (see the trainer/ folder); flags override it")
     for name, f in FIELDS.items():
