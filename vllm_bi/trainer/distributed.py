@@ -88,7 +88,18 @@ class Dist:
         return float(t)
 
     def close(self) -> None:
+        """Leave together: a rank that tears its process group down while a peer is still finishing its
+        last step aborted once in CI ("terminate called without an active exception")."""
         if self.world > 1 and dist.is_initialized():
+            try:
+                if dist.get_backend() == "gloo":
+                    import datetime
+
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+                else:
+                    dist.barrier()
+            except RuntimeError:
+                pass  # a peer is gone already (it failed); nothing left to wait for
             dist.destroy_process_group()
 
 
