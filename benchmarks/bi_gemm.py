@@ -1,0 +1,66 @@
+"""Benchmark: vllm_bi's batch-invariant GEMM (``ops.linear.bi_linear``: exact float64 accumulation) against
+cuBLAS bf16 ``torch.mm`` on Qwen3.5-9B-like linear shapes, for M = tokens in the batch.
+
+    python benchmarks/bi_gemm.py [--out results.md]
+
+Prints a markdown table: median of 10 timed runs (CUDA events) after 3 warm-ups. "bi_linear" casts the bf16
+weight to float64 on every call (what the op does today); "fp64 mm, weight pre-cast" isolates the GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from vllm_bi.ops.linear import bi_linear
+
+SHAPES = [  # (name, K, N)
+    ("qkv/o 4096x4096", 4096, 4096),
+    ("gate_up 4096x24576", 4096, 24576),
+    ("down 12288x4096", 12288, 4096),
+]
+MS = (1, 16, 256, 2048, 8192)
+
+
+def timed(fn, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    args = ap.parse_args()
+    dev = "cuda"
+    rows = ["| shape | M | cuBLAS bf16 (ms) | bi_linear (ms) | ratio | fp64 mm, weight pre-cast (ms) | ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, K, N in SHAPES:
+        w = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
+        w64 = w.double()
+        for M in MS:
+            x = torch.randn(M, K, device=dev).bfloat16()
+            t_ref = timed(lambda: torch.mm(x, w.t()))
+            t_bi = timed(lambda: bi_linear(x, w))
+            t_64 = timed(lambda: torch.mm(x.double(), w64.t()).to(torch.bfloat16))
+            rows.append(f"| {name} | {M} | {t_ref:.3f} | {t_bi:.3f} | {t_bi / t_ref:.1f}x | {t_64:.3f} | {t_64 / t_ref:.1f}x |")
+            print(rows[-1], flush=True)
+    head = (f"device {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n")
+    table = head + "\n".join(rows) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
