@@ -202,3 +202,14 @@ def test_server_unreachable_ends_with_clear_error_and_checkpoint(model_dir, tmp_
     assert "rerun the same command to continue from step" in last
     meta = json.load(open(tmp_path / "checkpoint" / "meta.json"))
     assert meta["step"] >= 1 and f"from step {meta['step']}" in last
+
+
+def test_moe_model_weight_sync_keeps_parity(tiny_model_path, tmp_path):
+    """Qwen3.5-MoE: the server stacks the experts (w13/w2), the trainer holds them per expert in HF
+    names; after each push the layout-independent digest must match and the diff stay exactly 0.
+    The trainer starts its own server here."""
+    c = TrainerConfig(model=tiny_model_path("qwen3.5-moe"), run_dir=str(tmp_path), steps=3, **SMALL)
+    rows = train(c)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["bit_wise/logprob_diff/max"] == 0.0 for r in rows)
+    assert rows[-1]["grad_norm"] > 0.0
