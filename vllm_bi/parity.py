@@ -87,19 +87,12 @@ def trainer_logprobs(model, completions, pack: int = 8, progress=lambda it: it) 
     (on the device the model's parameters are on)."""
     import torch
 
-    device = next(model.parameters()).device
     out = []
     for i in progress(range(0, len(completions), pack)):
         group = completions[i : i + pack]
-        seqs = [c.prompt_ids + c.token_ids for c in group]
-        cu = [0]
-        for s in seqs:
-            cu.append(cu[-1] + len(s))
         with torch.no_grad():
-            lp = model.token_logprobs(torch.tensor([t for s in seqs for t in s], device=device), cu).cpu()
-        for j, c in enumerate(group):
-            n = len(c.prompt_ids)
-            out.append(lp[cu[j] + n - 1 : cu[j] + n - 1 + len(c.token_ids)].tolist())
+            lps, _ = model.completion_logprobs([(c.prompt_ids, c.token_ids) for c in group])
+        out.extend(lp.cpu().tolist() for lp in lps)
     return out
 
 

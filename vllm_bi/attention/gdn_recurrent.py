@@ -217,8 +217,8 @@ def gdn_sequence(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence through the GDN core: short conv, q/k/v split, gating, recurrence.
 
-    The server (``model_executor/gdn.py``) and the trainer model (``models/hybrid.py``) both call
-    this, so their GDN arithmetic is one piece of code. ``mixed_qkv [T, 2*Hk*K + HV*V]`` (model
+    The per-sequence definition that :func:`gdn_varlen` (what the server's ``model_executor/gdn.py``
+    and the trainer's ``models/hybrid.py`` call) must reproduce exactly (``tests/ops/test_gdn_varlen.py``). ``mixed_qkv [T, 2*Hk*K + HV*V]`` (model
     dtype), ``conv_weight [D, W]``, ``conv_state [W-1, D]``, ``a, b [T, HV]``, ``state [HV, V, K]``
     fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``.
     """

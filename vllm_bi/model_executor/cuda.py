@@ -7,10 +7,10 @@ FlashAttention backend (``num_splits=1``) batch-invariant. What it leaves out, a
 covers:
 
 * the GDN core: ``QwenGatedDeltaNetAttention.forward_cuda`` -> ``gdn.bi_gdn_forward``, whose core
-  runs :func:`bi_gdn_core_cuda` for decode, prefill and mixed batches alike: the causal conv1d
-  and the gating as elementwise torch ops over each sequence's own tokens, then one fla-core
-  fused-recurrent launch over the packed batch (explicit fp32 state per sequence, l2norm in the
-  kernel; ``attention.gdn_recurrent.gdn_recurrent_varlen``) and the final states stored back;
+  (``gdn.bi_gdn_core``, the same code as on CPU) runs decode, prefill and mixed batches alike: the
+  causal conv1d and the gating as elementwise torch ops over each sequence's own tokens, then one
+  fla-core fused-recurrent launch over the packed batch (explicit fp32 state per sequence, l2norm in
+  the kernel; ``attention.gdn_recurrent.gdn_recurrent_varlen``) and the final states stored back;
 * ``RMSNormGated.forward_cuda`` (FLA ``layer_norm_fwd``, rows per program chosen from the token
   count) -> vLLM's ``forward_native``, whose ``mean`` is vLLM's batch-invariant Triton mean;
 * ``GemmaRMSNorm.forward_cuda`` (vLLM IR ``rms_norm``, implementation chosen at run time) -> the
@@ -25,45 +25,9 @@ import logging
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import gdn_varlen
-
-__all__ = ["bi_gdn_core_cuda", "apply_cuda", "gemma_rms_forward_cuda", "gated_rms_forward_cuda"]
+__all__ = ["apply_cuda", "apply_cuda_own_ops", "own_ops_requested", "gemma_rms_forward_cuda", "gated_rms_forward_cuda"]
 
 logger = logging.getLogger("vllm_bi")
-
-
-def bi_gdn_core_cuda(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
-    """Fill ``out [T, HV, V]`` for every scheduled sequence (CUDA) and update their state slots."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
-    from vllm_bi.model_executor.gdn import scheduled_sequences
-
-    conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
-    dim_first = is_conv_state_dim_first()
-    qsl, slots, has_init, weight = scheduled_sequences(layer, md)
-    W = weight.shape[-1]
-    seqs = [i for i in range(len(has_init)) if qsl[i + 1] > qsl[i]]
-    if not seqs:
-        return
-    dev = mixed_qkv.device
-    slot_t = torch.tensor([slots[i] for i in seqs], dtype=torch.long, device=dev)
-    init_t = torch.tensor([has_init[i] for i in seqs], dtype=torch.bool, device=dev)
-    conv_states = conv_cache[slot_t]
-    if dim_first:
-        conv_states = conv_states.transpose(1, 2)  # -> [N, W-1, D]
-    conv_states = torch.where(init_t.view(-1, 1, 1), conv_states, torch.zeros_like(conv_states))
-    states = torch.where(init_t.view(-1, 1, 1, 1), ssm_cache[slot_t], torch.zeros_like(ssm_cache[slot_t]))
-    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
-    o, new_conv, new_states = gdn_varlen(
-        mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
-        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
-    )
-    for j, (s, e) in enumerate(ranges):
-        out[s:e] = o[j].to(out.dtype)
-    ssm_cache[slot_t] = new_states
-    if dim_first:
-        new_conv = new_conv.transpose(1, 2)
-    conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
 
 
 def gemma_rms_forward_cuda(self, x, residual=None):

@@ -3,16 +3,18 @@
 ``BIGDNAttentionBackend`` is registered over vLLM's ``GDN_ATTN`` backend and
 answers ``supports_batch_invariance() -> True``. That claim is true only
 because :func:`bi_gdn_forward` replaces ``QwenGatedDeltaNetAttention``'s
-forward: one path for decode, prefill and mixed batches, each sequence run by
-:func:`vllm_bi.attention.gdn_recurrent.gdn_recurrent` from its fp32 state slot
-(zeros when the scheduler says it has none), final state stored back.
+forward: one path for decode, prefill and mixed batches on every device, the
+scheduled sequences run together by :func:`vllm_bi.attention.gdn_recurrent.gdn_varlen`
+(on CPU one recurrence per sequence, on CUDA one fla-core varlen launch), each
+from its fp32 state slot (zeros when the scheduler says it has none), final
+state stored back.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import gdn_sequence
+from vllm_bi.attention.gdn_recurrent import gdn_varlen
 
 __all__ = ["BIGDNAttentionBackend", "bi_gdn_forward", "bi_gdn_core"]
 
@@ -69,21 +71,8 @@ def _metadata(layer):
     return md
 
 
-def scheduled_sequences(layer, md) -> tuple[list[int], list[int], list[bool], torch.Tensor]:
-    """From the GDN metadata: query start locations, state slots and whether each scheduled sequence
-    (decodes first, then prefills) continues from a stored state; and the conv weight as ``[D, W]``."""
-    qsl = md.non_spec_query_start_loc.tolist()
-    slots = md.non_spec_state_indices_tensor.tolist()
-    n_dec, n_pre = md.num_decodes, md.num_prefills
-    has_init = [True] * n_dec
-    if n_pre:
-        has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
-    weight = layer.conv1d.weight
-    return qsl, slots, has_init, weight.reshape(weight.shape[0], weight.shape[-1])
-
-
 def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor) -> None:
-    """Fill ``out [T, HV, V]`` for every scheduled sequence and update its state slots."""
+    """Fill ``out [T, HV, V]`` for every scheduled sequence and update its state slots (CPU and CUDA)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     md = _metadata(layer)
@@ -97,31 +86,36 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
             f"vllm_bi: GDN state cache is {ssm_cache.dtype}, batch invariance needs float32 "
             "(--mamba-ssm-cache-dtype float32)"
         )
-    if mixed_qkv.is_cuda:
-        from vllm_bi.model_executor.cuda import bi_gdn_core_cuda
-
-        bi_gdn_core_cuda(layer, md, mixed_qkv, b, a, out)
+    # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
+    qsl = md.non_spec_query_start_loc.tolist()
+    slots = md.non_spec_state_indices_tensor.tolist()
+    n_dec, n_pre = md.num_decodes, md.num_prefills
+    has_init = [True] * n_dec
+    if n_pre:
+        has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
+    seqs = [i for i in range(n_dec + n_pre) if qsl[i + 1] > qsl[i]]
+    if not seqs:
         return
+    weight = layer.conv1d.weight
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    W = weight.shape[-1]
+    dev = mixed_qkv.device
+    slot_t = torch.tensor([slots[i] for i in seqs], dtype=torch.long, device=dev)
+    init_t = torch.tensor([has_init[i] for i in seqs], dtype=torch.bool, device=dev)
     dim_first = is_conv_state_dim_first()
-    qsl, slots, has_init, weight = scheduled_sequences(layer, md)
-    H = layer.num_k_heads // layer.tp_size
-    for i in range(len(has_init)):
-        s, e, slot = qsl[i], qsl[i + 1], slots[i]
-        if e == s:
-            continue
-        if has_init[i]:
-            cstate = conv_cache[slot].transpose(0, 1) if dim_first else conv_cache[slot]
-            state = ssm_cache[slot]
-        else:
-            cstate = torch.zeros((weight.shape[-1] - 1, weight.shape[0]), dtype=mixed_qkv.dtype)
-            state = torch.zeros_like(ssm_cache[slot])
-        o, new_cstate, new_state = gdn_sequence(
-            mixed_qkv[s:e], weight, cstate, layer.A_log, a[s:e], b[s:e], layer.dt_bias, state,
-            H, layer.head_k_dim, layer.head_v_dim, layer.activation,
-        )
-        out[s:e] = o.to(out.dtype)
-        ssm_cache[slot] = new_state
-        if dim_first:
-            conv_cache[slot] = new_cstate.transpose(0, 1).to(conv_cache.dtype)
-        else:
-            conv_cache[slot] = new_cstate.to(conv_cache.dtype)
+    conv_states = conv_cache[slot_t]
+    if dim_first:
+        conv_states = conv_states.transpose(1, 2)  # -> [N, W-1, D]
+    conv_states = torch.where(init_t.view(-1, 1, 1), conv_states, torch.zeros_like(conv_states))
+    states = torch.where(init_t.view(-1, 1, 1, 1), ssm_cache[slot_t], torch.zeros_like(ssm_cache[slot_t]))
+    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
+    o, new_conv, new_states = gdn_varlen(
+        mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
+        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
+    )
+    for j, (s, e) in enumerate(ranges):
+        out[s:e] = o[j].to(out.dtype)
+    ssm_cache[slot_t] = new_states
+    if dim_first:
+        new_conv = new_conv.transpose(1, 2)
+    conv_cache[slot_t] = new_conv.to(conv_cache.dtype)

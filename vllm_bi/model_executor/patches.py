@@ -49,8 +49,8 @@ symbol                                          why / how
 CUDA (``model_executor/cuda.py``; GEMMs, mean,   vLLM's own BI mode covers the rest on CUDA; the entries
 softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied there.
 ``QwenGatedDeltaNetAttention.forward_cuda``     stock: FLA chunked prefill, two different decode kernels,
-                                                bf16 state. -> ``gdn.bi_gdn_forward`` -> ``cuda.bi_gdn_core_cuda``
-                                                (torch conv/gating + fla-core fused recurrent, fp32 state).
+                                                bf16 state. -> ``gdn.bi_gdn_forward`` (as on CPU; the core
+                                                runs fla-core's fused recurrent kernel, fp32 state).
 ``RMSNormGated.forward_cuda`` (CUDA)            FLA ``layer_norm_fwd`` groups rows by token count.
                                                 -> vLLM's ``forward_native`` (BI ``mean``).
 ``GemmaRMSNorm.forward_cuda`` (CUDA)            vLLM IR ``rms_norm`` (provider picked at run time).
@@ -125,6 +125,8 @@ def _patch_engine_args() -> None:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         if current_platform.is_cuda():
+            from vllm_bi.model_executor.cuda import own_ops_requested
+
             chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
             if chosen is None:
                 self.attention_backend = "TRITON_ATTN"
@@ -132,7 +134,7 @@ def _patch_engine_args() -> None:
                     "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (with FLASH_ATTN, decode and "
                     "prefill logprobs differed for ~500-token contexts on an H200)"
                 )
-            elif "TRITON_ATTN" not in str(chosen) and os.environ.get("VLLM_BI_CUDA_OPS", "").lower() == "vllm_bi":
+            elif "TRITON_ATTN" not in str(chosen) and own_ops_requested():
                 raise BatchInvarianceConfigError(
                     f"vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi routes TRITON_ATTN's attention only; the chosen backend "
                     f"{chosen} would bypass it. Drop --attention-backend or choose TRITON_ATTN.")
@@ -162,10 +164,11 @@ def _check_parallelism(config, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: pipeline parallelism (--pipeline-parallel-size {pp}) is not verified batch-invariant yet; "
             "use --pipeline-parallel-size 1 or unset VLLM_BATCH_INVARIANT.")
+    has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
     if platform.is_cuda():
         from vllm_bi.model_executor.cuda import own_ops_requested
 
-        if own_ops_requested() and int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0:
+        if own_ops_requested() and has_moe:
             raise BatchInvarianceConfigError(
                 "vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi does not cover MoE layers yet; unset it (vLLM's own BI "
                 "kernels serve MoE models batch-invariantly) or use a dense model.")
@@ -175,8 +178,7 @@ def _check_parallelism(config, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
             "use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT.")
-    text = config.model_config.hf_text_config
-    if int(getattr(text, "num_experts", 0) or 0) > 0:
+    if has_moe:
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is not batch-invariant "
             "yet (the experts' partial sums are rounded before the all-reduce); use --tensor-parallel-size 1.")

@@ -120,25 +120,8 @@ class Policy:
 
 
 def completion_logprobs(model, samples, entropy: bool = False):
-    """Pack ``samples`` (prompt + completion ids), one forward -> per-sample logprob tensors of the
-    completion tokens (fp32, with grad), and the summed entropy over those positions (no grad)."""
-    seqs = [s.prompt_ids + s.completion_ids for s in samples]
-    cu = [0]
-    for s in seqs:
-        cu.append(cu[-1] + len(s))
-    dev = next(model.parameters()).device
-    ids = torch.tensor([t for s in seqs for t in s], device=dev)
-    lp = log_softmax(model(ids, cu), dim=-1, dtype=torch.float32)
-    rows = torch.cat([torch.arange(cu[i] + len(s.prompt_ids) - 1, cu[i + 1] - 1) for i, s in enumerate(samples)])
-    rows = rows.to(dev)
-    targets = torch.tensor([t for s in samples for t in s.completion_ids], device=dev)
-    tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
-    ent = 0.0
-    if entropy:
-        with torch.no_grad():
-            sel = lp[rows]
-            ent = float(-(sel.exp() * sel).sum())
-    return list(tok_lp.split([len(s.completion_ids) for s in samples])), ent
+    """Per-sample logprob tensors of the sampled tokens (fp32, with grad) and the summed entropy."""
+    return model.completion_logprobs([(s.prompt_ids, s.completion_ids) for s in samples], entropy)
 
 
 # --------------------------------------------------------------------------- one update

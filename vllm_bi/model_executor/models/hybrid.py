@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.attention.gdn_recurrent import gdn_sequence, gdn_varlen
+from vllm_bi.attention.gdn_recurrent import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention
@@ -221,24 +221,15 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed, z, b, a = self._project(x_TD)
         w = self.conv1d.reshape(self.conv1d.shape[0], -1)
-        if x_TD.is_cuda:  # the server's CUDA path: one fla-core varlen launch, fp32 zero states
-            n, dev = len(cu) - 1, x_TD.device
-            outs, _, _ = gdn_varlen(
-                mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
-                torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
-                self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
-            )
-            core = torch.cat(outs).to(x_TD.dtype)
-            y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
-            return bi_linear(y.reshape(T, self.value_dim), self.out_proj)
-        core = torch.zeros((T, Hv, V), dtype=x_TD.dtype)
-        for i in range(len(cu) - 1):
-            s, e = cu[i], cu[i + 1]
-            o, _, _ = gdn_sequence(
-                mixed[s:e], w, torch.zeros((w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype), self.A_log,
-                a[s:e], b[s:e], self.dt_bias, torch.zeros((Hv, V, K), dtype=torch.float32), Hk, K, V,
-            )
-            core[s:e] = o.to(core.dtype)
+        # The server's GDN core, every sequence from fp32 zero states (CPU: one recurrence per sequence;
+        # CUDA: one fla-core varlen launch).
+        n, dev = len(cu) - 1, x_TD.device
+        outs, _, _ = gdn_varlen(
+            mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
+            torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
+            self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
+        )
+        core = torch.cat(outs).to(x_TD.dtype)
         y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
         return bi_linear(y.reshape(T, self.value_dim), self.out_proj)
 
@@ -430,3 +421,23 @@ class GDNHybridForCausalLM(nn.Module):
             if e - s > 1:
                 out[s : e - 1] = lp[s : e - 1].gather(1, input_ids[s + 1 : e].unsqueeze(1)).squeeze(1)
         return out
+
+    def completion_logprobs(self, pairs, entropy: bool = False) -> tuple[list[torch.Tensor], float]:
+        """Pack ``pairs`` of (prompt ids, completion ids) into one forward. Returns each completion's
+        per-token logprobs (fp32, on the model's device, differentiable) and, with ``entropy``, the
+        entropy summed over those positions (no grad; 0.0 otherwise)."""
+        dev = next(self.parameters()).device
+        cu = [0]
+        for p, c in pairs:
+            cu.append(cu[-1] + len(p) + len(c))
+        ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
+        lp = log_softmax(self(ids, cu), dim=-1, dtype=torch.float32)
+        rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
+        targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
+        tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
+        ent = 0.0
+        if entropy:
+            with torch.no_grad():
+                sel = lp[rows]
+                ent = float(-(sel.exp() * sel).sum())
+        return list(tok_lp.split([len(c) for _, c in pairs])), ent
