@@ -3,6 +3,8 @@
 # vLLM 0.32.0 (GPU wheel) with vllm_bi: run HERE (needs PyPI). Writes .gpu_bundle/partN/ (gitignored),
 # each < 60 MiB so one device call can carry it, each with a MANIFEST listing what it holds.
 #   scripts/gpu_prepare.sh [OUTDIR]          (default: .gpu_bundle)
+#   VLLM_BI_TILELANG=1 scripts/gpu_prepare.sh     also part4/part5: tilelang for fla-core's gated chunk backward
+#   VLLM_BI_TILELANG=only scripts/gpu_prepare.sh  only (re)make part4/part5, leave part1..3 as they are
 # scripts/gpu_run.sh (on the device) installs whatever parts are present; see docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +17,35 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
       --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
       --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64)
 dl() { "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$1" "${@:2}"; }
+manifest() {  # manifest PARTDIR DESCRIPTION
+  ( cd "$1" && { echo "# $(basename "$1") of the vllm_bi GPU bundle ($2)";
+    echo "# made $(date -u +%FT%TZ) by scripts/gpu_prepare.sh; sha256 and file"; sha256sum * | grep -v MANIFEST; } > MANIFEST )
+}
+size_ok() { local p s; for p in "$@"; do
+  s=$(du -sb "$p" | cut -f1); [ "$s" -lt $((60*1024*1024)) ] || { echo "ERROR: $p is $s bytes (>= 60 MiB)" >&2; exit 1; }; done; }
+# Optional: tilelang, which fla-core 0.6.0 needs for the gated chunk backward (chunk_bwd_dqkwg) on Hopper
+# with Triton < 3.7.1 (the device has 3.6.0). Versions are vLLM 0.32.0's own pins (tilelang==0.1.12,
+# apache-tvm-ffi==0.1.11; part4's tvm-ffi replaces part3's 0.1.15.post2 files when installed after it) and
+# tilelang 0.1.12's other requirements missing from the device image. libtvm_compiler.so links libz3, so
+# z3-solver is needed; it does not fit next to tilelang (50 MB) under 60 MiB, hence part5.
+# JIT-compiling the kernels needs nvcc (CUDA 13.0 is on the device image).
+TL_PART4=(tilelang==0.1.12 apache-tvm-ffi==0.1.11 torch-c-dlpack-ext==0.1.5)
+TL_PART5=(z3-solver==4.15.4.0)
+tilelang_parts() {
+  local d n v
+  mkdir -p "$CACHE/tilelang"
+  for d in "${TL_PART4[@]}" "${TL_PART5[@]}"; do
+    n="${d%%==*}"; v="${d##*==}"
+    ls "$CACHE/tilelang/" | grep -qi "^$(echo "$n" | tr - _)-$v-" || dl "$CACHE/tilelang" "$d"
+  done
+  rm -rf "$OUT/part4" "$OUT/part5"; mkdir -p "$OUT/part4" "$OUT/part5"
+  for d in "${TL_PART4[@]}"; do cp "$CACHE"/tilelang/"$(echo "${d%%==*}" | tr - _)"-"${d##*==}"-*.whl "$OUT/part4/"; done
+  for d in "${TL_PART5[@]}"; do cp "$CACHE"/tilelang/"$(echo "${d%%==*}" | tr - _)"-"${d##*==}"-*.whl "$OUT/part5/"; done
+  manifest "$OUT/part4" "tilelang 0.1.12 for fla-core's Hopper backward, cp312; needs part5"
+  manifest "$OUT/part5" "z3-solver, needed by part4's tilelang"
+  du -sh "$OUT/part4" "$OUT/part5"; size_ok "$OUT/part4" "$OUT/part5"
+}
+if [ "${VLLM_BI_TILELANG:-0}" = only ]; then tilelang_parts; echo "tilelang parts ready in $OUT"; exit 0; fi
 
 # 1. vLLM's GPU wheel and fla-core (the CUDA GDN kernel vllm_bi uses).
 [ -f "$CACHE"/vllm/vllm-0.32.0-*.whl ] 2>/dev/null || dl "$CACHE/vllm" vllm==0.32.0
@@ -56,12 +87,8 @@ xz_so vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so "$OUT/part2/_vllm_fa3_C.abi3.so.x
 cp "$CACHE"/wheels/*.whl "$OUT/part3/"
 # fla-core is tiny and the kernel job needs it first: keep a copy in part1 too.
 cp "$CACHE"/wheels/fla_core-0.6.0-*.whl "$OUT/part1/"
-for p in "$OUT"/part*; do
-  ( cd "$p" && { echo "# $(basename "$p") of the vllm_bi GPU bundle (vLLM 0.32.0 GPU wheel, cp312, for torch 2.11+cu130)";
-    echo "# made $(date -u +%FT%TZ) by scripts/gpu_prepare.sh; sha256 and file"; sha256sum * | grep -v MANIFEST; } > MANIFEST )
-done
+for p in "$OUT"/part*; do manifest "$p" "vLLM 0.32.0 GPU wheel, cp312, for torch 2.11+cu130"; done
 du -sh "$OUT"/part*
-for p in "$OUT"/part*; do
-  s=$(du -sb "$p" | cut -f1); [ "$s" -lt $((60*1024*1024)) ] || { echo "ERROR: $p is $s bytes (>= 60 MiB)" >&2; exit 1; }
-done
+size_ok "$OUT"/part*
+[ "${VLLM_BI_TILELANG:-0}" = 0 ] || tilelang_parts
 echo "bundle ready in $OUT"

@@ -32,15 +32,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from vllm_bi.testing.server import VllmServer  # noqa: E402
-from vllm_bi.testing.tiny_models import TinyModelSpec, build_tiny_model, corpus  # noqa: E402
-
-SPECS = {
-    "default": TinyModelSpec(),
-    # wider layers: more room for reduction-order effects to show up in the stock control
-    "wide": TinyModelSpec(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-                          linear_num_key_heads=4, linear_num_value_heads=8, intermediate_size=2048,
-                          moe_intermediate_size=512),
-}
+from vllm_bi.testing.tiny_models import SPECS, build_tiny_model, corpus  # noqa: E402
 
 
 def gpu_env(mode: str) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import sys
 import time
 
@@ -20,10 +21,10 @@ __all__ = ["main"]
 
 
 def _cmd_make_model(args) -> int:
-    from vllm_bi.testing.tiny_models import build_tiny_model
+    from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
 
-    path = build_tiny_model(args.family, args.out, seed=args.seed, overwrite=args.overwrite)
-    print(f"wrote {args.family} (seed {args.seed}) to {path}")
+    path = build_tiny_model(args.family, args.out, seed=args.seed, spec=SPECS[args.spec], overwrite=args.overwrite)
+    print(f"wrote {args.family} (spec {args.spec}, seed {args.seed}) to {path}")
     return 0
 
 
@@ -120,6 +121,8 @@ def _cmd_parity(args) -> int:
         trainer_model=args.trainer_model,
         max_num_batched_tokens=args.max_num_batched_tokens,
         trainer_device=args.trainer_device,
+        server_args=shlex.split(args.server_args),
+        stock_server=args.stock_server,
         log=log,
     )
     print(report.to_json() if args.json else report.table())
@@ -176,13 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--trainer-device", default=None, choices=["cpu", "cuda"],
                     help="where the trainer recomputes (default: cuda when available, else cpu; it must be the "
                     "server's device: CPU and GPU math libraries round exp/log differently)")
+    pa.add_argument("--server-args", default="",
+                    help='extra `vllm serve` arguments for the server this command starts, e.g. '
+                    '"--tensor-parallel-size 2" (default: none)')
+    pa.add_argument("--stock-server", action="store_true",
+                    help="start the server with VLLM_BATCH_INVARIANT=0 (stock vLLM kernels): a control that shows "
+                    "the gap vllm_bi closes; expected to FAIL")
     pa.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pa.set_defaults(fn=_cmd_parity)
 
+    from vllm_bi.testing.tiny_models import FAMILIES, SPECS
+
     m = sub.add_parser("make-model", help="write a small random-weight GDN hybrid and tokenizer")
-    m.add_argument("family", choices=["qwen3-next", "qwen3.5", "qwen3.5-moe"])
+    m.add_argument("family", choices=FAMILIES)
     m.add_argument("out", help="output directory")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--spec", default="default", choices=list(SPECS),
+                   help="layer dimensions (default: ~10 M parameters; 9b-dims: Qwen3.5-9B layers, 4 of them, "
+                   "~0.9 B parameters; moe-router: 256 experts, top-8)")
     m.add_argument("--overwrite", action="store_true")
     m.set_defaults(fn=_cmd_make_model)
 

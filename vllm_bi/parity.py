@@ -137,6 +137,8 @@ def run_parity(
     trainer_model: str | None = None,
     max_num_batched_tokens: int = 64,
     trainer_device: str | None = None,
+    server_args: list[str] | None = None,
+    stock_server: bool = False,
     show_progress: bool = True,
     log=print,
 ) -> ParityReport:
@@ -164,8 +166,9 @@ def run_parity(
     if server_url:
         completions = sample(VllmClient(server_url, model))
     else:
-        log("starting VLLM_BATCH_INVARIANT=1 vllm serve (about a minute on 2 CPU cores)")
-        with VllmServer(model, args=["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"]) as srv:
+        log(f"starting VLLM_BATCH_INVARIANT={0 if stock_server else 1} vllm serve (about a minute on 2 CPU cores)")
+        args = ["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"] + list(server_args or [])
+        with VllmServer(model, batch_invariant=not stock_server, args=args) as srv:
             completions = sample(srv)
 
     def progress(it):

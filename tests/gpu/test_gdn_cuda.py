@@ -91,12 +91,11 @@ def test_matches_float64_reference_and_gradients():
     torch.testing.assert_close(o.double().cpu(), o_ref, rtol=0, atol=3e-2)
     torch.testing.assert_close(ht[0].double().cpu(), s_ref, rtol=0, atol=3e-2)
     w = torch.randn(o.shape)
-    try:
-        (o.float() * w.to(DEV)).sum().backward()
-    except RuntimeError as e:
-        if "Triton >= 3.4.0 and < 3.7.1 on Hopper" in str(e):
-            pytest.skip(f"forward checked; backward not runnable here: fla-core refuses its chunked backward: {e}")
-        raise
+    (o.float() * w.to(DEV)).sum().backward()  # fla-core's chunked kernel, or the torch recurrence where refused
+    from vllm_bi.attention import gdn_recurrent as gr
+
+    print("backward path:", "torch recurrence (fla-core refused its chunked kernel)" if gr._warned_fallback
+          else "fla-core chunked kernel")
     (o_ref * w.double()).sum().backward()
     for name, mine, ref in zip("q k v a b".split(), leaves, ref_leaves):
         rel = ((mine.grad.double().cpu() - ref.grad).norm() / ref.grad.norm()).item()

@@ -27,7 +27,8 @@ over a varlen batch, every sequence given an explicit fp32 initial state (its
 see ``shared/docs/gpu-measurements.md``), l2norm in the kernel. Measured
 batch-invariant and split-exact on the H200 (``tests/gpu/test_gdn_cuda.py``).
 Its backward recomputes with fla-core's chunked kernel (the recurrent one has
-none); only the forward must match the server.
+none), or with :func:`gdn_torch_varlen` where fla-core refuses that kernel (Hopper with
+Triton < 3.7.1 and no tilelang); only the forward must match the server.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = [
-    "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "causal_conv1d", "gdn_sequence", "gdn_varlen",
+    "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen", "causal_conv1d",
+    "gdn_sequence", "gdn_varlen",
 ]
 
 L2NORM_EPS = 1e-6
@@ -123,21 +125,73 @@ class _FLARecurrentChunkBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
         q, k, v, g, beta, h0, cu = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
-            o, ht = chunk_gated_delta_rule(
-                q=leaves[0], k=leaves[1], v=leaves[2], g=leaves[3], beta=leaves[4], scale=ctx.scale,
-                initial_state=leaves[5], output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-            )
+            o, ht = _chunk_or_torch(*leaves, cu, ctx.scale)
             outs, grads = [o], [do]
             if dht is not None:
                 outs.append(ht)
                 grads.append(dht)
             dq, dk, dv, dg, dbeta, dh0 = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
         return dq, dk, dv, dg, dbeta, dh0, None, None
+
+
+_HOPPER_REFUSAL = "3.7.1"  # fla-core 0.6.0: gated chunk backward refused on Hopper with Triton 3.4 - 3.7.0
+_warned_fallback = False
+
+
+def _chunk_or_torch(q, k, v, g, beta, h0, cu, scale):
+    """The differentiable recomputation the backward runs: fla-core's chunked kernel, or, where fla-core
+    refuses it (Hopper with Triton < 3.7.1 and no tilelang), :func:`gdn_torch_varlen` (slower, same math)."""
+    global _warned_fallback
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    try:
+        return chunk_gated_delta_rule(
+            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        )
+    except RuntimeError as e:
+        if _HOPPER_REFUSAL not in str(e):
+            raise
+        if not _warned_fallback:
+            import logging
+
+            logging.getLogger("vllm_bi").warning(
+                "vllm_bi: fla-core refuses its chunked GDN backward here (%s); using the torch recurrence for "
+                "the backward instead (same math, slower). Install tilelang or Triton >= 3.7.1 for the fast one.",
+                str(e).splitlines()[0][:160])
+            _warned_fallback = True
+        return gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale)
+
+
+def gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale):
+    """The gated delta rule in differentiable torch ops, fla-core's layout and conventions.
+
+    ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g, beta [1, T, HV]`` (fp32), ``h0 [N, HV, K, V]`` fp32,
+    ``cu`` cumulative sequence lengths (tensor); l2norm of q and k inside, as fla's
+    ``use_qk_l2norm_in_kernel``. Computes in fp32 (float64 inputs stay float64) and returns
+    ``(o [1, T, HV, V] in v's dtype, final states [N, HV, K, V])``. Token by token: for backward
+    recomputation (and tests), not for speed.
+    """
+    acc = torch.promote_types(q.dtype, torch.float32)
+    H, HV = q.shape[2], v.shape[2]
+    qn, kn = (x[0].to(acc) * torch.rsqrt((x[0].to(acc) ** 2).sum(-1, keepdim=True) + L2NORM_EPS) for x in (q, k))
+    qn = (qn * scale).repeat_interleave(HV // H, dim=1)
+    kn = kn.repeat_interleave(HV // H, dim=1)
+    vv, gg, bb = v[0].to(acc), g[0].to(acc), beta[0].to(acc)
+    bounds = [int(x) for x in cu.tolist()]
+    outs, finals = [], []
+    for i in range(len(bounds) - 1):
+        S = h0[i].to(acc)  # [HV, K, V]
+        for t in range(bounds[i], bounds[i + 1]):
+            S = S * torch.exp(gg[t])[:, None, None]
+            u = (vv[t] - torch.einsum("hkv,hk->hv", S, kn[t])) * bb[t][:, None]
+            S = S + kn[t][:, :, None] * u[:, None, :]
+            outs.append(torch.einsum("hkv,hk->hv", S, qn[t]))
+        finals.append(S)
+    return torch.stack(outs).to(v.dtype).unsqueeze(0), torch.stack(finals)
 
 
 def gdn_recurrent_varlen(

@@ -157,6 +157,9 @@ def _patch_engine_args() -> None:
     _patch(EngineArgs, "create_engine_config", create_engine_config)
 
 
+UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
+
+
 def _check_parallelism(config, platform) -> None:
     par = config.parallel_config
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
@@ -174,10 +177,11 @@ def _check_parallelism(config, platform) -> None:
                 "kernels serve MoE models batch-invariantly) or use a dense model.")
     if tp == 1:
         return
-    if not platform.is_cpu():
+    if not platform.is_cpu() and os.environ.get(UNVERIFIED_TP_ENV) != "1":
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
-            "use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT.")
+            f"use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT ({UNVERIFIED_TP_ENV}=1 runs it "
+            "unverified, for measuring).")
     if has_moe:
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is not batch-invariant "

@@ -29,7 +29,7 @@ import os
 import random
 from dataclasses import dataclass
 
-__all__ = ["FAMILIES", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus"]
+__all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus"]
 
 FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 
@@ -104,6 +104,23 @@ class TinyModelSpec:
     moe_intermediate_size: int = 128
     vocab_size: int = 1024
     max_position_embeddings: int = 4096
+
+
+SPECS = {
+    "default": TinyModelSpec(),
+    # wider layers: more room for reduction-order effects to show up in a stock control
+    "wide": TinyModelSpec(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                          linear_num_key_heads=4, linear_num_value_heads=8, intermediate_size=2048,
+                          moe_intermediate_size=512),
+    # Qwen3.5-9B layer dimensions (hidden 4096; GDN 16 key / 32 value heads of dim 128; attention 16/4 heads
+    # of dim 256; MLP 12288), 4 layers (3 GDN + 1 attention), the local tokenizer's small vocabulary
+    "9b-dims": TinyModelSpec(hidden_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+                             linear_num_key_heads=16, linear_num_value_heads=32, intermediate_size=12288),
+    # a Qwen3.5-MoE-like router: 256 experts, top-8, expert MLP 512, hidden 2048 (4 layers)
+    "moe-router": TinyModelSpec(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                                linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
+                                num_experts_per_tok=8, moe_intermediate_size=512),
+}
 
 
 def _layer_types(n: int) -> list[str]:
