@@ -13,6 +13,8 @@ import argparse
 
 import torch
 
+from common import timed
+
 from vllm_bi.ops.linear import bi_linear
 
 SHAPES = [  # (name, K, N)
@@ -21,20 +23,6 @@ SHAPES = [  # (name, K, N)
     ("down 12288x4096", 12288, 4096),
 ]
 MS = (1, 16, 256, 2048, 8192)
-
-
-def timed(fn, reps: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
