@@ -105,3 +105,6 @@ def apply_cuda_own_ops(patch) -> None:
     patch(logprob, "compute_token_logprobs", _token_logprobs)
     patch(prompt_logprob, "compute_token_logprobs", _token_logprobs)
     patch(TritonAttentionImpl, "forward", bi_attn_forward)
+    from vllm_bi.model_executor.cuda_moe import apply_cuda_moe
+
+    apply_cuda_moe(patch)

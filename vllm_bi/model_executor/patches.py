@@ -168,13 +168,6 @@ def _check_parallelism(config, platform) -> None:
             f"vllm_bi: pipeline parallelism (--pipeline-parallel-size {pp}) is not verified batch-invariant yet; "
             "use --pipeline-parallel-size 1 or unset VLLM_BATCH_INVARIANT.")
     has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
-    if platform.is_cuda():
-        from vllm_bi.model_executor.cuda import own_ops_requested
-
-        if own_ops_requested() and has_moe:
-            raise BatchInvarianceConfigError(
-                "vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi does not cover MoE layers yet; unset it (vLLM's own BI "
-                "kernels serve MoE models batch-invariantly) or use a dense model.")
     if tp == 1:
         return
     if not platform.is_cpu() and os.environ.get(UNVERIFIED_TP_ENV) != "1":

@@ -2,8 +2,8 @@
 
 Router (Qwen3-Next / Qwen3.5-MoE: softmax top-k, renormalised): the router
 logits come from :func:`vllm_bi.ops.linear.bi_linear` — the same bits whether
-the caller batches tokens as a bmm or an mm — then top-k per token and a
-softmax over the k selected logits.
+the caller batches tokens as a bmm or an mm — then top-k per token (a stable
+sort: ties go to the lower expert id) and a softmax over the k selected logits.
 
 Experts: every (token, expert) pair is ``down(silu_mul(gate_up(x)))`` through
 :func:`bi_linear`, whose result for a row does not depend on which other rows
@@ -25,7 +25,10 @@ __all__ = ["softmax_topk", "moe_experts"]
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights fp32 [T, k], ids int32 [T, k])`` from ``router_logits [T, E]``."""
-    vals, ids = torch.topk(router_logits, k=top_k, dim=-1, sorted=True)
+    # A stable sort, not torch.topk: tied logits (plausible in bf16) then pick the lower expert id first on
+    # every device and for every batch size (CUDA's topk changes algorithm with the problem size).
+    vals, ids = torch.sort(router_logits, dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :top_k], ids[:, :top_k]
     if renormalize:
         w = softmax(vals.float(), dim=-1)
     else:
