@@ -128,7 +128,7 @@ class GpuPool:
             self.cv.notify_all()
 
 
-def run_job(job: Job, pool: GpuPool, logdir: str) -> dict:
+def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) -> dict:
     ids = pool.take(job.gpus)
     env = dict(os.environ, **job.env, CUDA_VISIBLE_DEVICES=",".join(map(str, ids)), PYTHONUNBUFFERED="1")
     slug = "".join(c if c.isalnum() or c in "-." else "_" for c in job.name)
@@ -164,6 +164,9 @@ def run_job(job: Job, pool: GpuPool, logdir: str) -> dict:
             shutil.copy(os.path.join(run_dir, name), os.path.join(logdir, f"{slug}.{name}"))
     rec["seconds"] = round(time.time() - t0, 1)
     print(f"[suite] done  {job.name}: {_summary(rec)} ({rec['seconds']} s)", flush=True)
+    if partial:  # each verdict as soon as it is known, in case the suite is cut short
+        with open(partial, "a") as f:
+            f.write(json.dumps(rec) + "\n")
     return rec
 
 
@@ -224,6 +227,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/vllm_bi_suite"))
     ap.add_argument("--parallel", type=int, default=4, help="jobs at once")
     ap.add_argument("--per-gpu", type=int, default=4, help="jobs sharing one GPU at most")
+    ap.add_argument("--job-timeout", type=int, default=None, help="seconds per job (default: each job's own)")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
     catalogue = build_jobs(args.models)
@@ -236,6 +240,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown job group(s) {unknown}; choose from {sorted(catalogue)}")
     jobs = [j for g in groups for j in catalogue[g]]
+    for j in jobs:
+        j.timeout = args.job_timeout or j.timeout
     import torch
 
     n_gpus = torch.cuda.device_count()
@@ -250,9 +256,10 @@ def main() -> int:
     logdir = os.path.join("/tmp", "vllm_bi_suite_logs")
     os.makedirs(logdir, exist_ok=True)
     pool = GpuPool(n_gpus, args.per_gpu)
-    with ThreadPoolExecutor(args.parallel) as ex:
-        recs = list(ex.map(lambda j: run_job(j, pool, logdir), jobs))
     tag = "_".join(groups)
+    partial = os.path.join(args.out, f"suite_{tag}.jsonl")
+    with ThreadPoolExecutor(args.parallel) as ex:
+        recs = list(ex.map(lambda j: run_job(j, pool, logdir, partial), jobs))
     with open(os.path.join(args.out, f"suite_{tag}.json"), "w") as f:
         json.dump(recs, f, indent=1)
     md = markdown(recs)
