@@ -1,4 +1,4 @@
-"""CPU replacement for vLLM's ``enable_batch_invariant_mode``.
+"""Replacement for vLLM's ``enable_batch_invariant_mode`` on CPU, and on CUDA in own-ops mode.
 
 Stock vLLM registers Triton kernels for ``aten::mean.dim``, ``_log_softmax``,
 ``softmax``, ``_softmax``, ``bmm`` on ``current_platform.dispatch_key`` — the
@@ -21,7 +21,7 @@ from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 from vllm_bi.ops.softmax import log_softmax, softmax
 
-__all__ = ["enable_cpu_batch_invariant_mode", "is_enabled"]
+__all__ = ["enable_cpu_batch_invariant_mode", "enable_cuda_own_ops_mode", "register_overrides", "is_enabled"]
 
 _LIB: torch.library.Library | None = None
 
@@ -78,24 +78,41 @@ def _silu_(x):
     return x.copy_(_silu(x))
 
 
-def enable_cpu_batch_invariant_mode() -> None:
-    """Register the CPU overrides (idempotent)."""
+def register_overrides(key: str) -> None:
+    """Route ``mean.dim``, (log-)softmax, ``bmm``, ``sigmoid`` and ``silu`` on dispatch key ``key`` to the op
+    library (idempotent). CPU: always under BI; CUDA: in ``VLLM_BI_CUDA_OPS=vllm_bi`` mode, instead of vLLM's
+    own overrides, so that model code calling these directly computes what the trainer computes."""
     global _LIB
     if _LIB is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("aten::mean.dim", _mean_dim, "CPU")
-    lib.impl("aten::_log_softmax", _log_softmax, "CPU")
-    lib.impl("aten::softmax.int", _softmax_int, "CPU")
-    lib.impl("aten::_softmax", _softmax, "CPU")
-    lib.impl("aten::bmm", _bmm, "CPU")
-    lib.impl("aten::bmm.out", _bmm_out, "CPU")
+    lib.impl("aten::mean.dim", _mean_dim, key)
+    lib.impl("aten::_log_softmax", _log_softmax, key)
+    lib.impl("aten::softmax.int", _softmax_int, key)
+    lib.impl("aten::_softmax", _softmax, key)
+    lib.impl("aten::bmm", _bmm, key, allow_override=True)
+    lib.impl("aten::bmm.out", _bmm_out, key, allow_override=True)
     # model code calls torch.sigmoid / F.silu directly (attention output gate, shared-expert gate)
-    lib.impl("aten::sigmoid", _sigmoid, "CPU")
-    lib.impl("aten::silu", _silu, "CPU")
-    lib.impl("aten::sigmoid_", _sigmoid_, "CPU")
-    lib.impl("aten::silu_", _silu_, "CPU")
+    lib.impl("aten::sigmoid", _sigmoid, key)
+    lib.impl("aten::silu", _silu, key)
+    lib.impl("aten::sigmoid_", _sigmoid_, key)
+    lib.impl("aten::silu_", _silu_, key)
     _LIB = lib
+
+
+def enable_cpu_batch_invariant_mode() -> None:
+    """Register the CPU overrides (idempotent)."""
+    register_overrides("CPU")
+
+
+def enable_cuda_own_ops_mode() -> None:
+    """Replaces vLLM's ``enable_batch_invariant_mode`` on CUDA in own-ops mode: the op-library overrides on
+    the CUDA key, and vLLM's Hopper cuBLAS settings (no split-K) for any GEMM left outside the op library."""
+    import os
+
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    os.environ["CUBLASLT_WORKSPACE_SIZE"] = "1"
+    register_overrides("CUDA")
 
 
 def is_enabled() -> bool:

@@ -105,6 +105,13 @@ def apply_cuda_own_ops(patch) -> None:
     patch(logprob, "compute_token_logprobs", _token_logprobs)
     patch(prompt_logprob, "compute_token_logprobs", _token_logprobs)
     patch(TritonAttentionImpl, "forward", bi_attn_forward)
+    # Model code calls torch.sigmoid / F.silu / softmax / mean directly: in this mode they go to the op
+    # library on the CUDA key too (vLLM's own overrides would give other bits than the trainer's ops).
+    from vllm.model_executor.determinism import batch_invariant
+
+    from vllm_bi.model_executor.cpu_overrides import enable_cuda_own_ops_mode
+
+    patch(batch_invariant, "enable_batch_invariant_mode", enable_cuda_own_ops_mode)
     from vllm_bi.model_executor.cuda_moe import apply_cuda_moe
 
     apply_cuda_moe(patch)

@@ -116,10 +116,10 @@ SPECS = {
     # of dim 256; MLP 12288), 4 layers (3 GDN + 1 attention), the local tokenizer's small vocabulary
     "9b-dims": TinyModelSpec(hidden_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
                              linear_num_key_heads=16, linear_num_value_heads=32, intermediate_size=12288),
-    # a Qwen3.5-MoE-like router: 256 experts, top-8, expert MLP 512, hidden 2048 (4 layers)
-    "moe-router": TinyModelSpec(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                                linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256,
-                                num_experts_per_tok=8, moe_intermediate_size=512),
+    # a Qwen3.5-MoE-like router (256 experts, top-8) on narrower layers (hidden 1024, expert MLP 128), 4 layers
+    "moe-router": TinyModelSpec(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                linear_num_key_heads=4, linear_num_value_heads=8, num_experts=256,
+                                num_experts_per_tok=8, moe_intermediate_size=128),
 }
 
 
