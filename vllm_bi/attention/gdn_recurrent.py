@@ -126,44 +126,52 @@ class _FLARecurrentChunkBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
-            o, ht = _chunk_or_torch(*leaves, cu, ctx.scale)
-            outs, grads = [o], [do]
-            if dht is not None:
-                outs.append(ht)
-                grads.append(dht)
-            dq, dk, dv, dg, dbeta, dh0 = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-        return dq, dk, dv, dg, dbeta, dh0, None, None
+        try:
+            return (*_recompute_grads(_fla_chunk, q, k, v, g, beta, h0, cu, ctx.scale, do, dht), None, None)
+        except RuntimeError as e:
+            if _HOPPER_REFUSAL not in str(e):
+                raise
+            _warn_fallback(e)
+        return (*_recompute_grads(gdn_torch_varlen, q, k, v, g, beta, h0, cu, ctx.scale, do, dht), None, None)
 
 
 _HOPPER_REFUSAL = "3.7.1"  # fla-core 0.6.0: gated chunk backward refused on Hopper with Triton 3.4 - 3.7.0
 _warned_fallback = False
 
 
-def _chunk_or_torch(q, k, v, g, beta, h0, cu, scale):
-    """The differentiable recomputation the backward runs: fla-core's chunked kernel, or, where fla-core
-    refuses it (Hopper with Triton < 3.7.1 and no tilelang), :func:`gdn_torch_varlen` (slower, same math)."""
-    global _warned_fallback
+def _fla_chunk(q, k, v, g, beta, h0, cu, scale):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    try:
-        return chunk_gated_delta_rule(
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
-            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-        )
-    except RuntimeError as e:
-        if _HOPPER_REFUSAL not in str(e):
-            raise
-        if not _warned_fallback:
-            import logging
+    return chunk_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+    )
 
-            logging.getLogger("vllm_bi").warning(
-                "vllm_bi: fla-core refuses its chunked GDN backward here (%s); using the torch recurrence for "
-                "the backward instead (same math, slower). Install tilelang or Triton >= 3.7.1 for the fast one.",
-                str(e).splitlines()[0][:160])
-            _warned_fallback = True
-        return gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale)
+
+def _recompute_grads(fn, q, k, v, g, beta, h0, cu, scale, do, dht):
+    """Gradients of (o, final state) w.r.t. (q, k, v, g, beta, h0), recomputing the forward with ``fn``."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+        o, ht = fn(*leaves, cu, scale)
+        outs, grads = [o], [do]
+        if dht is not None:
+            outs.append(ht)
+            grads.append(dht)
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+
+def _warn_fallback(e: Exception) -> None:
+    """Where fla-core refuses its chunked backward (Hopper, Triton < 3.7.1, no tilelang), the backward runs
+    :func:`gdn_torch_varlen` (same math, slower); say so once."""
+    global _warned_fallback
+    if not _warned_fallback:
+        import logging
+
+        logging.getLogger("vllm_bi").warning(
+            "vllm_bi: fla-core refuses its chunked GDN backward here (%s); using the torch recurrence for "
+            "the backward instead (same math, slower). Install tilelang or Triton >= 3.7.1 for the fast one.",
+            str(e).splitlines()[0][:160])
+        _warned_fallback = True
 
 
 def gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale):

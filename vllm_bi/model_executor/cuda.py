@@ -98,8 +98,9 @@ def apply_cuda_own_ops(patch) -> None:
                     (RMSNormGated, P._gated_rms_forward)):
         for name in ("forward_cuda", "forward_native"):
             patch(cls, name, fn)
-    patch(SiluAndMul, "forward_cuda", P._silu_mul_forward)
-    patch(RotaryEmbedding, "forward_cuda", P._rotary_forward)
+    for name in ("forward_cuda", "forward_native"):  # whichever CustomOp dispatch picks
+        patch(SiluAndMul, name, P._silu_mul_forward)
+        patch(RotaryEmbedding, name, P._rotary_forward)
     P._patch_linear()
     P._patch_logprobs()
     patch(logprob, "compute_token_logprobs", _token_logprobs)
