@@ -83,6 +83,28 @@ def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tens
     return log_softmax(logits, dim=-1, dtype=torch.float32).gather(1, token_ids.to(torch.int64))
 
 
+def _no_fused_qk_norm_rope(patch) -> None:
+    """Qwen3-Next / Qwen3.5 attention on CUDA fuses the gate split, the q/k RMSNorms and RoPE into one Triton
+    kernel (``use_fused_qk_norm_rope_gate``), bypassing the patched norms and rotary; the trainer computes them
+    with the op library. Measured on the H200: with the fused kernel every attention row but the first (where
+    RoPE is the identity) differed from the trainer's (``scripts/gpu_diag_layers.py``). Turn it off."""
+    import functools
+
+    from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+
+    orig = Qwen3NextAttention.__init__
+    if getattr(orig, "_vllm_bi", False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        self.use_fused_qk_norm_rope_gate = False
+
+    __init__._vllm_bi = True
+    patch(Qwen3NextAttention, "__init__", __init__)
+
+
 def apply_cuda_own_ops(patch) -> None:
     """Route linear, norms, activation, rotary, attention and returned logprobs to ``vllm_bi.ops`` on CUDA."""
     from vllm.model_executor.layers.activation import SiluAndMul
@@ -106,6 +128,7 @@ def apply_cuda_own_ops(patch) -> None:
     patch(logprob, "compute_token_logprobs", _token_logprobs)
     patch(prompt_logprob, "compute_token_logprobs", _token_logprobs)
     patch(TritonAttentionImpl, "forward", bi_attn_forward)
+    _no_fused_qk_norm_rope(patch)
     # Model code calls torch.sigmoid / F.silu / softmax / mean directly: in this mode they go to the op
     # library on the CUDA key too (vLLM's own overrides would give other bits than the trainer's ops).
     from vllm.model_executor.determinism import batch_invariant
