@@ -106,6 +106,15 @@ class VllmClient:
                                "(is the vllm_bi plugin active, VLLM_BATCH_INVARIANT=1, TP=1?)")
         return results[0]
 
+    def server_info(self) -> dict:
+        """The plugin's ``vllm_bi_info`` from the first worker: what a trainer must agree with (GDN mode, ...).
+        Needs ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``)."""
+        results = self.collective_rpc("vllm_bi_info")
+        if not results or not isinstance(results[0], dict):
+            raise RuntimeError(f"{self.url}: no vllm_bi_info from the server (got {str(results)[:300]}); is the "
+                               "vllm_bi plugin active with VLLM_BATCH_INVARIANT=1?")
+        return results[0]
+
     def reload_weights(self, weights_path: str, timeout: float = 600.0) -> None:
         """Load the checkpoint at ``weights_path`` into the running engine in place (no restart).
 

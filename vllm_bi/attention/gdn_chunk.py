@@ -26,8 +26,9 @@ unrolled over the block. q and k are l2-normalised (eps 1e-6) and q scaled by ``
 Inputs and shapes as :func:`~vllm_bi.attention.gdn_recurrent.gdn_recurrent`: ``q, k [T, H, K]``,
 ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``state [HV, V, K]`` fp32.
 
-This module is the CPU implementation and the specification the CUDA path (fla-core's chunk kernel with
-pinned configs) must meet; the server and trainer glue for this mode is not written yet.
+Selected with ``VLLM_BI_GDN_MODE=chunk`` (server and trainer alike). This module is the CPU
+implementation and the specification a CUDA path (fla-core's chunk kernel with pinned configs) must meet;
+on CUDA the mode is refused for now.
 """
 
 from __future__ import annotations
@@ -39,9 +40,21 @@ from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["CHUNK", "gdn_chunk_aligned"]
+__all__ = ["CHUNK", "GDN_MODE_ENV", "gdn_mode", "gdn_chunk_aligned"]
 
 CHUNK = 64
+GDN_MODE_ENV = "VLLM_BI_GDN_MODE"
+
+
+def gdn_mode() -> str:
+    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default) or ``chunk`` (CPU only in this release). The server and
+    the trainer must run the same mode; both read it from here."""
+    import os
+
+    mode = os.environ.get(GDN_MODE_ENV, "recurrent").strip().lower() or "recurrent"
+    if mode not in ("recurrent", "chunk"):
+        raise ValueError(f"{GDN_MODE_ENV}={mode!r}: choose 'recurrent' (default) or 'chunk'")
+    return mode
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

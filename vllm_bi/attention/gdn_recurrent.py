@@ -309,8 +309,13 @@ def gdn_varlen(
     head_k_dim: int,
     head_v_dim: int,
     activation: str | None = "silu",
+    mode: str = "recurrent",
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
+
+    ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_aligned` instead
+    (each sequence's first row must sit at a block boundary and ``states`` are the boundary states);
+    the returned states are then the states at each sequence's last boundary.
 
     Sequence ``j`` owns rows ``ranges[j] = (s, e)`` of ``mixed_qkv``, ``a`` and ``b``;
     ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
@@ -334,5 +339,17 @@ def gdn_varlen(
     cu = [0]
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
+    if mode == "chunk":
+        from vllm_bi.attention.gdn_chunk import gdn_chunk_aligned
+
+        outs, finals = [], []
+        for j in range(len(ranges)):
+            s, e = cu[j], cu[j + 1]
+            o_j, boundary, _ = gdn_chunk_aligned(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], states[j])
+            outs.append(o_j)
+            finals.append(boundary)
+        return outs, torch.stack(new_conv), torch.stack(finals)
+    if mode != "recurrent":
+        raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
     o, finals = gdn_recurrent_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
     return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], torch.stack(new_conv), finals

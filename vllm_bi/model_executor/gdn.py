@@ -14,14 +14,31 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
 from vllm_bi.attention.gdn_recurrent import gdn_varlen
 
-__all__ = ["BIGDNAttentionBackend", "bi_gdn_forward", "bi_gdn_core"]
+__all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
 except ImportError:  # vLLM missing or moved: the plugin's version check reports it
     _GDNBase = object
+
+
+try:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as _GDNBuilderBase
+except ImportError:
+    _GDNBuilderBase = object
+
+
+class BIGDNMetadataBuilder(_GDNBuilderBase):
+    """vLLM's GDN metadata, plus each request's number of already computed tokens (``vllm_bi_num_computed``,
+    on the device): the chunk-aligned mode needs the absolute position of a request's first new token."""
+
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        md.vllm_bi_num_computed = common_attn_metadata.compute_num_computed_tokens()
+        return md
 
 
 class BIGDNAttentionBackend(_GDNBase):
@@ -30,6 +47,10 @@ class BIGDNAttentionBackend(_GDNBase):
     @classmethod
     def supports_batch_invariance(cls) -> bool:
         return True
+
+    @staticmethod
+    def get_builder_cls():
+        return BIGDNMetadataBuilder
 
 
 def _split_qkvz(layer, hidden_states: torch.Tensor):
@@ -108,6 +129,11 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         conv_states = conv_states.transpose(1, 2)  # -> [N, W-1, D]
     conv_states = torch.where(init_t.view(-1, 1, 1), conv_states, torch.zeros_like(conv_states))
     states = torch.where(init_t.view(-1, 1, 1, 1), ssm_cache[slot_t], torch.zeros_like(ssm_cache[slot_t]))
+    if gdn_mode() == "chunk":
+        starts = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
+        _chunk_core(layer, mixed_qkv, b, a, out, [(qsl[i], qsl[i + 1]) for i in seqs], [starts[i] for i in seqs],
+                    slot_t, conv_cache, ssm_cache, weight, dim_first)
+        return
     ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     o, new_conv, new_states = gdn_varlen(
         mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
@@ -119,3 +145,62 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
+
+
+def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, slot_t, conv_cache, ssm_cache, weight, dim_first):
+    """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
+    request's last block boundary (``ssm_cache``) and, in the widened conv cache, the last
+    ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its next token. A request whose first new
+    token sits at absolute position ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with
+    the new ones (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
+    W = weight.shape[-1]
+    D, HV = mixed_qkv.shape[1], a.shape[1]
+    hist_rows = conv_cache.shape[2] if dim_first else conv_cache.shape[1]
+    hist = conv_cache[slot_t]
+    if dim_first:
+        hist = hist.transpose(1, 2)  # -> [N, rows, D + 2 HV]
+    raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
+    rows, conv0, rng, keep, new_hist = [], [], [], [], []
+    boundary = torch.zeros((len(ranges), *ssm_cache.shape[1:]), dtype=torch.float32, device=mixed_qkv.device)
+    for j, ((s, e), start) in enumerate(zip(ranges, starts)):
+        h = hist[j] if start > 0 else torch.zeros_like(hist[j])
+        if start > 0:
+            boundary[j] = ssm_cache[slot_t[j]]
+        ext = torch.cat([h, raw_new[s:e].to(h.dtype)])  # raw rows of positions start - hist_rows .. end - 1
+        p = start % CHUNK
+        first = hist_rows - p  # row of the block boundary
+        conv0.append(ext[first - (W - 1) : first, :D])
+        rng.append((sum(r.shape[0] for r in rows), sum(r.shape[0] for r in rows) + p + (e - s)))
+        rows.append(ext[first:])
+        keep.append(p)
+        new_hist.append(ext[-hist_rows:])
+    blk = torch.cat(rows)
+    o, _, finals = gdn_varlen(
+        blk[:, :D], rng, weight, torch.stack(conv0), layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
+        layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
+        layer.activation, mode="chunk",
+    )
+    for j, (s, e) in enumerate(ranges):
+        out[s:e] = o[j][keep[j] :].to(out.dtype)
+    ssm_cache[slot_t] = finals
+    hist_out = torch.stack(new_hist)
+    if dim_first:
+        hist_out = hist_out.transpose(1, 2)
+    conv_cache[slot_t] = hist_out.to(conv_cache.dtype)
+
+
+def chunk_state_shape(orig):
+    """Wrap ``MambaStateShapeCalculator.gated_delta_net_state_shape`` for the chunk-aligned mode: the conv
+    state keeps ``CHUNK - 1`` more rows and ``2 * num_v_heads`` more columns (the raw ``a``, ``b``)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    def gated_delta_net_state_shape(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                                    conv_kernel_size, num_spec=0):
+        conv, temporal = orig(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+                              conv_kernel_size + CHUNK - 1, num_spec)
+        extra = 2 * num_v_heads // tp_world_size
+        conv = (conv[0] + extra, conv[1]) if is_conv_state_dim_first() else (conv[0], conv[1] + extra)
+        return conv, temporal
+
+    gated_delta_net_state_shape._vllm_bi = True
+    return gated_delta_net_state_shape

@@ -76,6 +76,8 @@ import os
 
 import torch
 
+from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
 __all__ = ["apply_all", "PATCHED", "BIGenerator"]
 
 logger = logging.getLogger("vllm_bi")
@@ -200,6 +202,14 @@ def _patch_gdn() -> None:
     for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu"):
         if hasattr(QwenGatedDeltaNetAttention, name):
             _patch(QwenGatedDeltaNetAttention, name, bi_gdn_forward)
+    if gdn_mode() == "chunk":
+        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
+
+        from vllm_bi.model_executor.gdn import chunk_state_shape
+
+        orig = MambaStateShapeCalculator.__dict__["gated_delta_net_state_shape"].__func__
+        if not getattr(orig, "_vllm_bi", False):
+            _patch(MambaStateShapeCalculator, "gated_delta_net_state_shape", classmethod(chunk_state_shape(orig)))
 
 
 # --------------------------------------------------------------------------- models
@@ -534,11 +544,21 @@ def _worker_weight_digest(self) -> dict[str, str]:
     return weight_digest(self.model_runner.get_model().named_parameters())
 
 
+def _worker_info(self) -> dict:
+    """What a trainer must agree with to reproduce this server's bits (``/collective_rpc vllm_bi_info``)."""
+    from vllm_bi import __version__
+    from vllm_bi.attention.gdn_chunk import CHUNK
+
+    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK}
+
+
 def _patch_worker_rpc() -> None:
     from vllm.v1.worker.gpu_worker import Worker
 
     if not hasattr(Worker, "vllm_bi_weight_digest"):
         _patch(Worker, "vllm_bi_weight_digest", _worker_weight_digest)
+    if not hasattr(Worker, "vllm_bi_info"):
+        _patch(Worker, "vllm_bi_info", _worker_info)
 
 
 def apply_all() -> list[str]:
@@ -560,6 +580,10 @@ def apply_all() -> list[str]:
             f"the current platform is {current_platform.device_name!r}, which was never verified. "
             "Unset VLLM_BATCH_INVARIANT to run stock vLLM."
         )
+    if gdn_mode() == "chunk" and not cpu:
+        raise RuntimeError(
+            f"vllm_bi: {GDN_MODE_ENV}=chunk runs on CPU only in this release (the CUDA chunk path is not "
+            f"written yet); unset {GDN_MODE_ENV} for the recurrent mode.")
     _patch_engine_args()
     _patch_gdn()
     _patch_worker_rpc()

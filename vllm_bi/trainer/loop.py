@@ -26,9 +26,9 @@ import time
 
 import torch
 
+from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
 from vllm_bi.client import ServerUnreachable, VllmClient
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-from vllm_bi.ops.softmax import log_softmax
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
 from vllm_bi.trainer.distributed import Dist, full, like
@@ -314,6 +314,10 @@ def _check_server(client: VllmClient) -> None:
     except RuntimeError as e:
         raise TrainerError(f"the server at {client.url} does not answer vllm_bi's weight digest ({e}); start it with "
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).") from None
+    mode = client.server_info().get("gdn_mode")
+    if mode != gdn_mode():
+        raise TrainerError(f"the server runs GDN mode {mode!r}, this trainer {gdn_mode()!r}: their logprobs cannot "
+                           f"match. Set {GDN_MODE_ENV} to the same value on both sides.")
 
 
 class _RankFailed(RuntimeError):

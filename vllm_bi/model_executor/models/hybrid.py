@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_bi.attention.gdn_chunk import gdn_mode
 from vllm_bi.attention.gdn_recurrent import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
@@ -228,6 +229,7 @@ class GatedDeltaNet(nn.Module):
             mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
             torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
             self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
+            mode=gdn_mode(),
         )
         core = torch.cat(outs).to(x_TD.dtype)
         y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
