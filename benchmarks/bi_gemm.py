@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from common import timed
+from common import emit, timed
 
 from vllm_bi.ops.linear import bi_linear
 
@@ -44,10 +44,7 @@ def main() -> None:
             print(rows[-1], flush=True)
     head = (f"device {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n")
     table = head + "\n".join(rows) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

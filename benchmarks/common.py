@@ -18,3 +18,11 @@ def timed(fn, reps: int = 10, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def emit(table: str, out: str | None) -> None:
+    """Print the finished table and also write it to ``out`` when given."""
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table)

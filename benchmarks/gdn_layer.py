@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from common import timed
+from common import emit, timed
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 KEY, VAL = H * K, HV * V
@@ -163,10 +163,7 @@ def main() -> None:
         out.append(run_train(label, lens, dev, max(3, args.reps // 3)))
         print(out[-1], f"({time.time() - t0:.0f} s)", flush=True)
     table = "\n".join(out) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table)
+    emit(table, args.out)
 
 
 if __name__ == "__main__":

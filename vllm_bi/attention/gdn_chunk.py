@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import l2norm
+from vllm_bi.attention.gdn_recurrent import heads_qk
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
@@ -108,16 +108,8 @@ def gdn_chunk_aligned(
     (what a chunk-aligned cache keeps, with the ``T % chunk`` tokens after it) and the state after the last
     token (for comparison with the recurrent mode; equal to it within fp32 rounding, not in bits).
     """
-    if state is None or state.dtype != torch.float32:
-        raise ValueError("gdn_chunk_aligned needs the explicit fp32 state at the block boundary")
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    if HV % H:
-        raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
-    scale = K**-0.5 if scale is None else scale
-    rep = HV // H
-    qn = (l2norm(q) * scale).repeat_interleave(rep, dim=1)
-    kn = l2norm(k).repeat_interleave(rep, dim=1)
+    qn, kn = heads_qk(q, k, v, state, scale, "gdn_chunk_aligned")
+    T, HV, V = v.shape
     v32, g32, b32 = v.float(), g.float(), beta.float()
     C = chunk
     out = torch.empty((T, HV, V), dtype=torch.float32, device=q.device)

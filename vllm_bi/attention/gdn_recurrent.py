@@ -61,6 +61,23 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * pointwise.rsqrt(row_sum(x * x) + L2NORM_EPS)
 
 
+def heads_qk(q, k, v, state, scale: float | None, who: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the shapes and the explicit fp32 state; return l2-normalised ``q * scale`` and ``k`` repeated
+    to the value heads, ``[T, HV, K]`` fp32 (``scale`` default ``K^-1/2``)."""
+    if state is None or state.dtype != torch.float32:
+        raise ValueError(f"{who} needs an explicit fp32 state (zeros for a new sequence): got "
+                         f"{None if state is None else state.dtype}, expected torch.float32")
+    H, K = q.shape[1], q.shape[2]
+    HV = v.shape[1]
+    if HV % H:
+        raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
+    scale = K**-0.5 if scale is None else scale
+    qn, kn = l2norm(q) * scale, l2norm(k)
+    if HV > H:
+        qn, kn = qn.repeat_interleave(HV // H, dim=1), kn.repeat_interleave(HV // H, dim=1)
+    return qn, kn
+
+
 def gdn_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -78,21 +95,8 @@ def gdn_recurrent(
         raise NotImplementedError(
             "vllm_bi.attention.gdn_recurrent: only the CPU implementation exists in this release"
         )
-    if state is None:
-        raise ValueError("gdn_recurrent needs an explicit fp32 state (zeros for a new sequence)")
-    if state.dtype != torch.float32:
-        raise ValueError(f"gdn_recurrent: state must be float32, got {state.dtype}")
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    if HV % H:
-        raise ValueError(f"value heads {HV} not a multiple of key heads {H}")
-    scale = K**-0.5 if scale is None else scale
-    rep = HV // H
-    qn = l2norm(q) * scale
-    kn = l2norm(k)
-    if rep > 1:
-        qn = qn.repeat_interleave(rep, dim=1)
-        kn = kn.repeat_interleave(rep, dim=1)
+    qn, kn = heads_qk(q, k, v, state, scale, "gdn_recurrent")
+    T, HV, V = v.shape
     v32 = v.float()
     decay = pointwise.exp(g.float())
     beta = beta.float()
