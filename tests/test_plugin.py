@@ -88,7 +88,8 @@ def test_speculative_decoding_is_refused(tiny_model_path):
 
 
 @pytest.mark.parametrize("family,args,message", [
-    ("qwen3-next", "tensor_parallel_size=2", "tensor parallelism (--tensor-parallel-size 2) with MoE layers"),
+    ("qwen3-next", "tensor_parallel_size=2, enable_expert_parallel=True",
+     "tensor parallelism (--tensor-parallel-size 2) with MoE layers is batch-invariant on CPU without expert"),
     ("qwen3.5", "pipeline_parallel_size=2", "pipeline parallelism (--pipeline-parallel-size 2) is not verified"),
 ])
 def test_unverified_parallelism_is_refused(tiny_model_path, family, args, message):

@@ -24,8 +24,11 @@ symbol                                          why / how
                                                 -> keep the weight, ``ops.linear.bi_linear``.
 ``RowParallelLinear.forward`` (CPU, TP > 1)     partial products rounded before the all-reduce differ from
                                                 TP = 1. -> exact float64 partials, gathered and added, one
-                                                rounding (TP = 2 == TP = 1 == trainer). MoE + TP, PP > 1
-                                                and TP on CUDA are refused (engine-config check).
+                                                rounding (TP = 2 == TP = 1 == trainer); also the MoE shared
+                                                expert's down projection (reduce_results=False).
+``MoERunner._maybe_reduce_*`` (CPU, TP > 1)     the experts already hold exact full sums -> no all-reduce.
+                                                PP > 1, MoE + EP/SP and TP on CUDA are refused
+                                                (engine-config check).
 ``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated`` (CPU)  -> ``ops.norm`` (row-wise reductions).
 ``SiluAndMul`` / ``RotaryEmbedding`` (CPU)      -> ``ops.activation`` / ``ops.rotary`` (same numbers as the
                                                 trainer's).
@@ -177,10 +180,10 @@ def _check_parallelism(config, platform) -> None:
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
             f"use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT ({UNVERIFIED_TP_ENV}=1 runs it "
             "unverified, for measuring).")
-    if has_moe:
+    if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
         raise BatchInvarianceConfigError(
-            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is not batch-invariant "
-            "yet (the experts' partial sums are rounded before the all-reduce); use --tensor-parallel-size 1.")
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
+            "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
     logger.info("vllm_bi: tensor parallelism %d: row-parallel layers all-reduce exact float64 partial sums", tp)
 
 
@@ -259,13 +262,19 @@ def _exact_tp_sum(y64: torch.Tensor) -> torch.Tensor:
     return parts.view(torch.float64).reshape(-1, rows, cols).sum(dim=0)
 
 
+def _is_shared_expert(layer) -> bool:
+    return getattr(layer, "prefix", "").endswith("shared_expert.down_proj")
+
+
 def _row_parallel_forward(orig):
     """TP > 1: each rank's partial product is an exact float64 sum, the ranks' exact partials are added
     (exactly, so in any order), and the result is rounded once: the same bits as TP = 1."""
 
     @functools.wraps(orig)
     def forward(self, input_):
-        if self.tp_size == 1 or not self.reduce_results:
+        # reduce_results=False leaves the sum to the caller; the one such caller under BI is the MoE
+        # shared expert, whose runner-side all-reduce is skipped: its down projection is summed exactly here.
+        if self.tp_size == 1 or not (self.reduce_results or _is_shared_expert(self)):
             return orig(self, input_)
         from vllm.distributed import split_tensor_along_last_dim
 
@@ -374,7 +383,40 @@ def _experts_apply(
         raise NotImplementedError("vllm_bi: expert parallelism is not batch-invariant yet")
     if str(getattr(activation, "name", activation)).upper() not in ("SILU",):
         raise NotImplementedError(f"vllm_bi: MoE activation {activation} is not batch-invariant yet")
-    output.copy_(moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input))
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    # TP: w1/w2 hold this rank's slice of each expert's intermediate dim; the down projections' exact
+    # partials are summed over the ranks before rounding, so every rank holds the TP = 1 result (and the
+    # MoE runner's all-reduce is skipped, see _moe_runner_reductions).
+    exact = _exact_tp_sum if get_tensor_model_parallel_world_size() > 1 else None
+    output.copy_(moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input,
+                             sum_partials=exact))
+
+
+def _moe_runner_reductions() -> None:
+    """Under TP the routed experts and the shared expert already hold exact full sums on every rank
+    (``_experts_apply``, ``_row_parallel_forward``): the runner's all-reduces would add them twice."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    final, shared = MoERunner._maybe_reduce_final_output, MoERunner._maybe_reduce_shared_expert_output
+    if getattr(final, "_vllm_bi", False):
+        return
+
+    @functools.wraps(final)
+    def _maybe_reduce_final_output(self, states, trunc_size, output_is_reduced=None):
+        if self.moe_config.tp_size > 1:
+            return final(self, states, trunc_size, True)
+        return final(self, states, trunc_size, output_is_reduced)
+
+    @functools.wraps(shared)
+    def _maybe_reduce_shared_expert_output(self, shared_output, fused_output_is_reduced=None):
+        if self.moe_config.tp_size > 1:
+            return shared_output
+        return shared(self, shared_output, fused_output_is_reduced)
+
+    _maybe_reduce_final_output._vllm_bi = True
+    _patch(MoERunner, "_maybe_reduce_final_output", _maybe_reduce_final_output)
+    _patch(MoERunner, "_maybe_reduce_shared_expert_output", _maybe_reduce_shared_expert_output)
 
 
 def _patch_moe_cpu() -> None:
@@ -387,6 +429,7 @@ def _patch_moe_cpu() -> None:
     _patch(CPUUnquantizedExperts, "process_weights_after_loading", _keep_weight)
     _patch(CPUUnquantizedExperts, "apply", _experts_apply)
     _patch(cpu_router, "_softmax_topk", softmax_topk)
+    _moe_runner_reductions()
 
 
 # --------------------------------------------------------------------------- sampling (CPU)

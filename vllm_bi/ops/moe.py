@@ -43,25 +43,33 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     apply_router_weight_on_input: bool = False,
+    sum_partials=None,
 ) -> torch.Tensor:
-    """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype."""
+    """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype.
+
+    Each expert's down projection is an exact float64 sum rounded once to ``x.dtype`` (as ``bi_linear``).
+    ``sum_partials`` (tensor parallelism: ``w13``/``w2`` hold this rank's slice of the intermediate dim) maps
+    the float64 partial sums ``[T * k, H]`` to the full sums before that rounding, so every rank gets the
+    unsharded bits."""
     T, k = topk_ids.shape
-    out32 = torch.zeros((T, w2.shape[1]), dtype=torch.float32, device=x.device)
+    H = w2.shape[1]
     if T == 0:
-        return out32.to(x.dtype)
+        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
     ids = topk_ids.long()
-    per_slot = torch.zeros((T, k, w2.shape[1]), dtype=torch.float32, device=x.device)
+    y64 = torch.zeros((T, k, H), dtype=torch.float64, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         xe = x[tok]
         if apply_router_weight_on_input:
             xe = (xe.float() * topk_weights[tok, slot].unsqueeze(-1)).to(x.dtype)
         h = silu_mul(bi_linear(xe, w13[e]))
-        y = bi_linear(h, w2[e])
-        if not apply_router_weight_on_input:
-            per_slot[tok, slot] = y.float() * topk_weights[tok, slot].float().unsqueeze(-1)
-        else:
-            per_slot[tok, slot] = y.float()
+        y64[tok, slot] = bi_linear(h, w2[e], out_dtype=torch.float64)
+    if sum_partials is not None:
+        y64 = sum_partials(y64.reshape(T * k, H)).reshape(T, k, H)
+    y = y64.to(x.dtype).float()
+    if not apply_router_weight_on_input:
+        y = y * topk_weights.float().unsqueeze(-1)
+    out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
     for j in range(k):
-        out32 = out32 + per_slot[:, j]
+        out32 = out32 + y[:, j]
     return out32.to(x.dtype)
