@@ -39,6 +39,10 @@ def _cmd_info(args) -> int:
             print(f"{dist} {version(dist)}")
         except Exception as e:  # noqa: BLE001
             print(f"{dist}: not found ({e})")
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
+    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): "
+          f"{os.environ.get('VLLM_BI_CUDA_OPS', 'vllm')}")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1
@@ -106,25 +110,29 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_parity(args) -> int:
-    from vllm_bi.parity import load_prompts, run_parity
+    from vllm_bi.parity import SettingsMismatch, load_prompts, run_parity
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    report = run_parity(
-        model=args.model,
-        server_url=args.server,
-        prompts=load_prompts(args.prompts),
-        n=args.n,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        temperature=args.temperature,
-        trainer=args.trainer,
-        trainer_model=args.trainer_model,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        trainer_device=args.trainer_device,
-        server_args=shlex.split(args.server_args),
-        stock_server=args.stock_server,
-        log=log,
-    )
+    try:
+        report = run_parity(
+            model=args.model,
+            server_url=args.server,
+            prompts=load_prompts(args.prompts),
+            n=args.n,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            temperature=args.temperature,
+            trainer=args.trainer,
+            trainer_model=args.trainer_model,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            trainer_device=args.trainer_device,
+            server_args=shlex.split(args.server_args),
+            stock_server=args.stock_server,
+            log=log,
+        )
+    except SettingsMismatch as e:
+        print(f"vllm-bi parity: {e}", file=sys.stderr)
+        return 2
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else 1
 

@@ -125,6 +125,27 @@ def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str 
     return out
 
 
+class SettingsMismatch(RuntimeError):
+    """The server runs vllm_bi with settings the trainer does not (a FAIL would say nothing about the infra)."""
+
+
+def check_server_settings(client, log) -> None:
+    """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's.
+    A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note."""
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
+    try:
+        info = client.server_info()
+    except RuntimeError as e:
+        log(f"note: could not read the server's vllm_bi settings ({str(e).splitlines()[0][:160]}); start it with "
+            "VLLM_SERVER_DEV_MODE=1 to let this command check them")
+        return
+    if info.get("gdn_mode") != gdn_mode():
+        raise SettingsMismatch(
+            f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} to "
+            "the same value on both sides")
+
+
 def run_parity(
     model: str,
     server_url: str | None = None,
@@ -145,7 +166,7 @@ def run_parity(
     from tqdm import tqdm
 
     from vllm_bi.client import VllmClient
-    from vllm_bi.testing.server import VllmServer
+    from vllm_bi.testing.server import VllmServer, cpu_env
 
     if trainer not in ("vllm_bi", "hf"):
         raise ValueError(f"--trainer must be vllm_bi or hf, not {trainer!r}")
@@ -164,11 +185,17 @@ def run_parity(
         return srv.complete_many(reqs)
 
     if server_url:
-        completions = sample(VllmClient(server_url, model))
+        client = VllmClient(server_url, model)
+        if not stock_server:
+            check_server_settings(client, log)
+        completions = sample(client)
     else:
         log(f"starting VLLM_BATCH_INVARIANT={0 if stock_server else 1} vllm serve (about a minute on 2 CPU cores)")
         args = ["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"] + list(server_args or [])
-        with VllmServer(model, batch_invariant=not stock_server, args=args) as srv:
+        env = cpu_env(not stock_server, {"VLLM_SERVER_DEV_MODE": "1"})
+        with VllmServer(model, batch_invariant=not stock_server, env=env, args=args) as srv:
+            if not stock_server:
+                check_server_settings(srv, log)
             completions = sample(srv)
 
     def progress(it):

@@ -88,3 +88,19 @@ def test_negative_control_recurrent_trainer_and_mode_report(served, monkeypatch)
     same = sum(a == b for c, lp in zip(busy[:4], got) for a, b in zip(c.logprobs, lp))
     total = sum(len(c.logprobs) for c in busy[:4])
     assert same < total, "the recurrent trainer reproduced the chunk-mode server: the mode made no difference"
+
+
+def test_parity_cli_refuses_a_mode_mismatch(served):
+    """`vllm-bi parity` reads the server's settings first: a recurrent-mode trainer against this chunk-mode
+    server stops with exit status 2 and says which variable to set, instead of a FAIL table."""
+    import os
+    import subprocess
+    import sys
+
+    model, srv, _, _, _ = served
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_BI_GDN_MODE"}
+    exe = os.path.join(os.path.dirname(sys.executable), "vllm-bi")
+    r = subprocess.run([exe, "parity", "--model", model, "--server", srv.url, "--n", "1", "--max-tokens", "4"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    assert "GDN mode 'chunk'" in r.stderr and "VLLM_BI_GDN_MODE" in r.stderr
