@@ -22,22 +22,22 @@ pytestmark = pytest.mark.server
 def _tp2(family: str, name: str):
     model = build_tiny_model(family, os.path.abspath(os.path.join(MODEL_ROOT, name)),
                              spec=TinyModelSpec(linear_num_key_heads=2, linear_num_value_heads=4))
-    env = cpu_env(True, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    env = cpu_env(True, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"})
     args = ["--tensor-parallel-size", "2", "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
             "--no-enable-prefix-caching"]
     with VllmServer(model, env=env, args=args, startup_timeout=400) as srv:
         res = run_scenarios(srv, make_prompts(seed=2), {"greedy": GREEDY, "seeded": SEEDED})
-    return model, res
+        yield model, res, srv
 
 
 @pytest.fixture(scope="module")
 def tp_run():
-    return _tp2("qwen3.5", "qwen3.5-tp-s0")
+    yield from _tp2("qwen3.5", "qwen3.5-tp-s0")
 
 
 @pytest.fixture(scope="module")
 def tp_moe_run():
-    return _tp2("qwen3.5-moe", "qwen3.5-moe-tp-s0")
+    yield from _tp2("qwen3.5-moe", "qwen3.5-moe-tp-s0")
 
 
 def test_tp2_p1_batch_invariance(tp_run):
@@ -45,11 +45,34 @@ def test_tp2_p1_batch_invariance(tp_run):
 
 
 def test_tp2_server_equals_unsharded_trainer(tp_run):
-    model, res = tp_run
+    model, res, _ = tp_run
     assert check_p4(model, "qwen3.5 TP=2 vs unsharded trainer", res) > 100
 
 
 def test_tp2_moe_p1_and_server_equals_unsharded_trainer(tp_moe_run):
-    model, res = tp_moe_run
+    model, res, _ = tp_moe_run
     assert check_p1(res, "qwen3.5-moe TP=2 mnbt=32") == 12
     assert check_p4(model, "qwen3.5-moe TP=2 vs unsharded trainer", res) > 100
+
+
+def test_rl_trainer_against_the_tp2_server(tp_run, tmp_path):
+    """The RL trainer pushes its weights into the TP = 2 server (each worker loads its shard) and stays at a
+    logprob diff of exactly 0.0; the weight digest compares one worker's full weights, so it is refused
+    with a TP server unless --verify-weights false, with a message saying so."""
+    import json
+    import subprocess
+    import sys
+
+    model, _, srv = tp_run
+    base = [sys.executable, "-m", "vllm_bi.trainer", "--server-url", srv.url, "--model", model, "--steps", "2",
+            "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "8", "--progress", "false",
+            "--tensorboard", "false"]
+    r = subprocess.run(base + ["--run-dir", str(tmp_path / "refused")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--verify-weights false" in r.stderr, r.stdout + r.stderr[-2000:]
+    r = subprocess.run(base + ["--run-dir", str(tmp_path / "run"), "--verify-weights", "false"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [m["step"] for m in rows] == [0, 1]
+    assert all(m["bit_wise/logprob_diff/max"] == 0.0 for m in rows), [m["bit_wise/logprob_diff/max"] for m in rows]

@@ -303,17 +303,26 @@ def _start_server(cfg: TrainerConfig, model_dir: str):
     return srv
 
 
-def _check_server(client: VllmClient) -> None:
+def _check_server(client: VllmClient, verify_weights: bool = True) -> None:
     try:
         client.weight_version()
     except RuntimeError as e:
         raise TrainerError(f"{e}\nStart the server with VLLM_SERVER_DEV_MODE=1 (the trainer swaps weights through "
                            "its admin routes).") from None
-    try:
-        client.weight_digest()
-    except RuntimeError as e:
-        raise TrainerError(f"the server at {client.url} does not answer vllm_bi's weight digest ({e}); start it with "
-                           "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).") from None
+    workers = len(client.collective_rpc("vllm_bi_info"))
+    if workers == 0:
+        raise TrainerError(f"the server at {client.url} does not answer vllm_bi's RPCs; start it with "
+                           "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).")
+    if verify_weights and workers > 1:
+        raise TrainerError(f"the server at {client.url} runs {workers} workers (tensor parallel): the weight digest "
+                           "check compares one worker's full weights, so it needs a TP = 1 server. Pass "
+                           "--verify-weights false (the on-policy logprob diff of 0.0 still shows the push landed).")
+    if verify_weights:
+        try:
+            client.weight_digest()
+        except RuntimeError as e:
+            raise TrainerError(f"the server at {client.url} does not answer vllm_bi's weight digest ({e}); start it "
+                               "with VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).") from None
     mode = client.server_info().get("gdn_mode")
     if mode != gdn_mode():
         raise TrainerError(f"the server runs GDN mode {mode!r}, this trainer {gdn_mode()!r}: their logprobs cannot "
@@ -405,7 +414,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             nonlocal server, client
             server = _start_server(cfg, model_dir) if not cfg.server_url else None
             client = server or VllmClient(cfg.server_url, model_dir)
-            _check_server(client)
+            _check_server(client, cfg.verify_weights)
 
         _on_main(dist, connect, share=False)
         sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
