@@ -4,6 +4,7 @@
                          request's tokens and logprobs are identical alone and in a busy batch
     vllm-bi parity       sample from a BI server, recompute with the trainer model, report bitwise equality
     vllm-bi plot         PNG curves of a trainer run (python -m vllm_bi.trainer) from its metrics.jsonl
+    vllm-bi diag         where server and trainer part: each decoder sub-module compared exactly
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
     vllm-bi info         versions, and whether the plugin is installed where vLLM finds it
 """
@@ -137,6 +138,16 @@ def _cmd_parity(args) -> int:
     return 0 if report.ok else 1
 
 
+def _cmd_diag(args) -> int:
+    import json
+
+    from vllm_bi.diag import first_difference, format_rows, layer_diff
+
+    rows = layer_diff(args.model, args.trainer_model, args.prompt_len, args.seed)
+    print(json.dumps(rows) if args.json else format_rows(rows))
+    return 0 if first_difference(rows) is None else 1
+
+
 def _cmd_plot(args) -> int:
     from vllm_bi.trainer.plot import plot_run
 
@@ -197,6 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     pa.set_defaults(fn=_cmd_parity)
 
     from vllm_bi.testing.tiny_models import FAMILIES, SPECS
+
+    dg = sub.add_parser("diag", help="where server and trainer part: per decoder sub-module, exact comparison",
+                        description="Runs vLLM in this process (VLLM_BATCH_INVARIANT=1) with hooks on every decoder "
+                        "layer and sub-module, prefills one prompt, runs the trainer model on the same ids and "
+                        "prints each module's rows that differ and max |diff|. Exit 0 when all are bitwise equal, "
+                        "1 otherwise (the first differing module is named).")
+    dg.add_argument("--model", required=True, help="local HF checkpoint directory")
+    dg.add_argument("--trainer-model", default=None, help="checkpoint the trainer loads (default: --model)")
+    dg.add_argument("--prompt-len", type=int, default=24, help="prompt length in tokens (default 24)")
+    dg.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default 0)")
+    dg.add_argument("--json", action="store_true", help="print the rows as JSON")
+    dg.set_defaults(fn=_cmd_diag)
 
     m = sub.add_parser("make-model", help="write a small random-weight GDN hybrid and tokenizer")
     m.add_argument("family", choices=FAMILIES)

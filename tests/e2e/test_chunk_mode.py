@@ -26,7 +26,7 @@ MODE = {"VLLM_BI_GDN_MODE": "chunk"}
 @pytest.fixture(scope="module")
 def served(tiny_model_path):
     model = tiny_model_path("qwen3.5")
-    args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--no-enable-prefix-caching"]
+    args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching"]
     with VllmServer(model, env=cpu_env(True, dict(MODE, VLLM_SERVER_DEV_MODE="1")), args=args) as srv:
         from transformers import AutoTokenizer
 
@@ -104,3 +104,26 @@ def test_parity_cli_refuses_a_mode_mismatch(served):
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 2, r.stdout + r.stderr[-2000:]
     assert "GDN mode 'chunk'" in r.stderr and "VLLM_BI_GDN_MODE" in r.stderr
+
+
+def test_prefix_cache_hit_keeps_trainer_parity(served, monkeypatch):
+    """A request whose 700-token prefix is served from the prefix cache (a restored chunk-mode state: the
+    boundary state and the raw inputs after it) still gives the trainer's bits."""
+    from transformers import AutoTokenizer
+
+    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.parity import trainer_logprobs
+
+    model, srv, _, _, _ = served
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(7)
+    lines = corpus(400, seed=5)
+    prefix = tok(" ".join(rng.choice(lines) for _ in range(80)))["input_ids"][:700]
+    assert len(prefix) == 700
+    srv.complete(prompt_ids=prefix + [11, 12, 13], max_tokens=4, temperature=1.0, seed=1)
+    hits0 = srv.metric_sum("vllm:prefix_cache_hits_total")
+    b = srv.complete(prompt_ids=prefix + [21, 22, 23, 24, 25], max_tokens=16, temperature=1.0, seed=2)
+    assert srv.metric_sum("vllm:prefix_cache_hits_total") > hits0, "no prefix-cache hit"
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    (got,) = trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model), [b], pack=1)
+    assert got == b.logprobs

@@ -87,7 +87,7 @@ def _no_fused_qk_norm_rope(patch) -> None:
     """Qwen3-Next / Qwen3.5 attention on CUDA fuses the gate split, the q/k RMSNorms and RoPE into one Triton
     kernel (``use_fused_qk_norm_rope_gate``), bypassing the patched norms and rotary; the trainer computes them
     with the op library. Measured on the H200: with the fused kernel every attention row but the first (where
-    RoPE is the identity) differed from the trainer's (``scripts/gpu_diag_layers.py``). Turn it off."""
+    RoPE is the identity) differed from the trainer's (``vllm-bi diag``). Turn it off."""
     import functools
 
     from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
