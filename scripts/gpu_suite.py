@@ -33,6 +33,10 @@ sys.path.insert(0, ROOT)
 
 MEM = "--gpu-memory-utilization 0.1"
 STOCK_ARGS = "--gdn-prefill-backend triton"
+# the models the jobs use: directory name -> (family, spec of vllm_bi.testing.tiny_models.SPECS)
+MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
+          "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
+          "moe-router": ("qwen3.5-moe", "moe-router")}
 RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)  # FlashInfer's GDN prefill is not in the offline bundle
 
 
@@ -60,7 +64,7 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
 
 
 def build_jobs(models: str) -> dict[str, list[Job]]:
-    m = {k: os.path.join(models, k) for k in ("qwen3.5", "qwen3-next", "qwen3.5-moe", "qwen3.5-9b", "moe-router")}
+    m = {k: os.path.join(models, k) for k in MODELS}
     serve = [sys.executable, os.path.join(ROOT, "scripts", "gpu_serve_parity.py"), "--trials", "2",
              "--models", models]
     trainer = ["-m", "vllm_bi.trainer", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
@@ -93,11 +97,8 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
 def build_models(models: str, names: set[str]) -> None:
     from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
 
-    plan = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
-            "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
-            "moe-router": ("qwen3.5-moe", "moe-router")}
     for key in sorted(names):
-        fam, spec = plan[key]
+        fam, spec = MODELS[key]
         t0 = time.time()
         build_tiny_model(fam, os.path.join(models, key), seed=0, spec=SPECS[spec])
         print(f"[suite] model {key} ({fam}, {spec}) ready in {time.time() - t0:.0f} s", flush=True)
@@ -260,7 +261,7 @@ def main() -> int:
         jobs = [j for j in jobs if j.gpus <= n_gpus]
     needed = {os.path.basename(a) for j in jobs for a in j.argv if a.startswith(args.models)}
     needed |= {"qwen3.5"} if any(j.kind == "serve" for j in jobs) else set()
-    build_models(args.models, needed & {"qwen3.5", "qwen3-next", "qwen3.5-moe", "qwen3.5-9b", "moe-router"})
+    build_models(args.models, needed & MODELS.keys())
     os.makedirs(args.out, exist_ok=True)
     logdir = os.path.join("/tmp", "vllm_bi_suite_logs")
     os.makedirs(logdir, exist_ok=True)

@@ -129,21 +129,28 @@ class SettingsMismatch(RuntimeError):
     """The server runs vllm_bi with settings the trainer does not (a FAIL would say nothing about the infra)."""
 
 
+def settings_mismatch(info: dict) -> str | None:
+    """Why a trainer in this process cannot reproduce a server whose ``vllm_bi_info`` is ``info``; None if it can."""
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
+    if info.get("gdn_mode") != gdn_mode():
+        return (f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} "
+                "to the same value on both sides")
+    return None
+
+
 def check_server_settings(client, log) -> None:
     """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's.
     A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note."""
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-
     try:
         info = client.server_info()
     except RuntimeError as e:
         log(f"note: could not read the server's vllm_bi settings ({str(e).splitlines()[0][:160]}); start it with "
             "VLLM_SERVER_DEV_MODE=1 to let this command check them")
         return
-    if info.get("gdn_mode") != gdn_mode():
-        raise SettingsMismatch(
-            f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} to "
-            "the same value on both sides")
+    why = settings_mismatch(info)
+    if why:
+        raise SettingsMismatch(why)
 
 
 def run_parity(

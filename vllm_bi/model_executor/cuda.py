@@ -64,9 +64,10 @@ CUDA_OPS_ENV = "VLLM_BI_CUDA_OPS"
 def own_ops_requested() -> bool:
     """``VLLM_BI_CUDA_OPS=vllm_bi``: serve with vllm_bi's op library on CUDA too (the trainer's ops).
 
-    Experimental: needed for trainer == server on GPU; its serving and trainer parity are not yet
-    measured on a GPU (``tests/gpu/test_trainer_parity_gpu.py``). Default (``vllm``): vLLM's own BI
-    kernels for GEMMs, norms and attention, measured batch-invariant for serving on an H200.
+    Experimental: needed for trainer == server on GPU. Measured on an H200: serving batch-invariant
+    (P1-P3 exact); trainer == server not yet (5/768 before the fused q/k-norm + RoPE kernel was switched
+    off, which is not re-measured; ``docs/results/2026-11-29-h200-gpu-suite.md``). Default (``vllm``):
+    vLLM's own BI kernels for GEMMs, norms and attention, measured batch-invariant for serving on an H200.
     """
     import os
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 __all__ = ["apply_cuda_moe", "check_moe_method"]
 
 

@@ -126,15 +126,15 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     dim_first = is_conv_state_dim_first()
     conv_states = conv_cache[slot_t]
     if dim_first:
-        conv_states = conv_states.transpose(1, 2)  # -> [N, W-1, D]
+        conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
     conv_states = torch.where(init_t.view(-1, 1, 1), conv_states, torch.zeros_like(conv_states))
     states = torch.where(init_t.view(-1, 1, 1, 1), ssm_cache[slot_t], torch.zeros_like(ssm_cache[slot_t]))
+    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     if gdn_mode() == "chunk":
         starts = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
-        _chunk_core(layer, mixed_qkv, b, a, out, [(qsl[i], qsl[i + 1]) for i in seqs], [starts[i] for i in seqs],
+        _chunk_core(layer, mixed_qkv, b, a, out, ranges, [starts[i] for i in seqs], conv_states, states,
                     slot_t, conv_cache, ssm_cache, weight, dim_first)
         return
-    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     o, new_conv, new_states = gdn_varlen(
         mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
         layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
@@ -147,30 +147,27 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
 
 
-def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, slot_t, conv_cache, ssm_cache, weight, dim_first):
+def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slot_t, conv_cache, ssm_cache, weight,
+                dim_first):
     """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
-    request's last block boundary (``ssm_cache``) and, in the widened conv cache, the last
-    ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its next token. A request whose first new
-    token sits at absolute position ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with
-    the new ones (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
+    request's last block boundary (``ssm_cache``; here ``boundary``) and, in the widened conv cache (here
+    ``hist [N, rows, D + 2 HV]``), the last ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its
+    next token; both are zeros for a new request. A request whose first new token sits at absolute position
+    ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
+    (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
-    hist_rows = conv_cache.shape[2] if dim_first else conv_cache.shape[1]
-    hist = conv_cache[slot_t]
-    if dim_first:
-        hist = hist.transpose(1, 2)  # -> [N, rows, D + 2 HV]
+    hist_rows = hist.shape[1]
     raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
     rows, conv0, rng, keep, new_hist = [], [], [], [], []
-    boundary = torch.zeros((len(ranges), *ssm_cache.shape[1:]), dtype=torch.float32, device=mixed_qkv.device)
+    offset = 0
     for j, ((s, e), start) in enumerate(zip(ranges, starts)):
-        h = hist[j] if start > 0 else torch.zeros_like(hist[j])
-        if start > 0:
-            boundary[j] = ssm_cache[slot_t[j]]
-        ext = torch.cat([h, raw_new[s:e].to(h.dtype)])  # raw rows of positions start - hist_rows .. end - 1
+        ext = torch.cat([hist[j], raw_new[s:e].to(hist.dtype)])  # raw rows of positions start - hist_rows .. e - 1
         p = start % CHUNK
         first = hist_rows - p  # row of the block boundary
         conv0.append(ext[first - (W - 1) : first, :D])
-        rng.append((sum(r.shape[0] for r in rows), sum(r.shape[0] for r in rows) + p + (e - s)))
+        rng.append((offset, offset + p + (e - s)))
+        offset += p + (e - s)
         rows.append(ext[first:])
         keep.append(p)
         new_hist.append(ext[-hist_rows:])

@@ -62,7 +62,9 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
                                                 logprobs incl. Model Runner V2's ``compute_token_logprobs``)
                                                 plus TRITON_ATTN's forward -> ``attention.bi_attn_forward``:
                                                 the trainer's ops on the server (needed for trainer ==
-                                                server on GPU; not yet measured on a GPU; MoE refused).
+                                                server on GPU), MoE (``cuda_moe``), the op-library aten
+                                                overrides on the CUDA key, no fused q/k-norm + RoPE kernel.
+                                                H200: serving P1-P3 exact; trainer == server not reached yet.
 ``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
                                                 attention backend TRITON_ATTN when none is chosen (FA3
                                                 decode != prefill for ~500-token contexts on H200).

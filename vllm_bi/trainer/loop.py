@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
 from vllm_bi.client import ServerUnreachable, VllmClient
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.parity import settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
 from vllm_bi.trainer.distributed import Dist, full, like
@@ -309,10 +309,14 @@ def _check_server(client: VllmClient, verify_weights: bool = True) -> None:
     except RuntimeError as e:
         raise TrainerError(f"{e}\nStart the server with VLLM_SERVER_DEV_MODE=1 (the trainer swaps weights through "
                            "its admin routes).") from None
-    workers = len(client.collective_rpc("vllm_bi_info"))
-    if workers == 0:
+    infos = client.collective_rpc("vllm_bi_info")  # one entry per worker
+    workers = len(infos)
+    if workers == 0 or not isinstance(infos[0], dict):
         raise TrainerError(f"the server at {client.url} does not answer vllm_bi's RPCs; start it with "
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).")
+    why = settings_mismatch(infos[0])
+    if why:
+        raise TrainerError(f"{why}: their logprobs cannot match.")
     if verify_weights and workers > 1:
         raise TrainerError(f"the server at {client.url} runs {workers} workers (tensor parallel): the weight digest "
                            "check compares one worker's full weights, so it needs a TP = 1 server. Pass "
@@ -323,10 +327,6 @@ def _check_server(client: VllmClient, verify_weights: bool = True) -> None:
         except RuntimeError as e:
             raise TrainerError(f"the server at {client.url} does not answer vllm_bi's weight digest ({e}); start it "
                                "with VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).") from None
-    mode = client.server_info().get("gdn_mode")
-    if mode != gdn_mode():
-        raise TrainerError(f"the server runs GDN mode {mode!r}, this trainer {gdn_mode()!r}: their logprobs cannot "
-                           f"match. Set {GDN_MODE_ENV} to the same value on both sides.")
 
 
 class _RankFailed(RuntimeError):
