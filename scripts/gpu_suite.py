@@ -36,7 +36,8 @@ STOCK_ARGS = "--gdn-prefill-backend triton"
 # the models the jobs use: directory name -> (family, spec of vllm_bi.testing.tiny_models.SPECS)
 MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
           "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
-          "moe-router": ("qwen3.5-moe", "moe-router")}
+          "moe-router": ("qwen3.5-moe", "moe-router"),
+          "qwen3.5-tp": ("qwen3.5", "tp")}
 RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)  # FlashInfer's GDN prefill is not in the offline bundle
 
 
@@ -80,11 +81,11 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                     _parity("control: stock vLLM qwen3.5-moe", m["qwen3.5-moe"], stock=True)],
         "serve-own": [Job("P1-P3 own-ops qwen3.5", "serve", serve + ["--family", "qwen3.5", "--modes", "bi"],
                           {"VLLM_BI_CUDA_OPS": "vllm_bi"})],
-        "tp2": [_parity("parity own-ops qwen3.5 TP=2", m["qwen3.5"], tp=2),
+        "tp2": [_parity("parity own-ops qwen3.5 (2 GDN key heads) TP=2", m["qwen3.5-tp"], tp=2),
                 _parity("parity own-ops qwen3.5 9b-dims TP=2", m["qwen3.5-9b"], tp=2, max_tokens=16)],
         "fsdp2": [Job("trainer FSDP2 x2 GPUs qwen3.5", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
-                       "--model", m["qwen3.5"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
+                       "--model", m["qwen3.5-tp"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
                   Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-9b"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2)],

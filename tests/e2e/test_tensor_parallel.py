@@ -14,14 +14,14 @@ from parity_suite import check_p1, check_p4
 from scenarios import GREEDY, SEEDED, make_prompts, run_scenarios
 
 from vllm_bi.testing.server import VllmServer, cpu_env
-from vllm_bi.testing.tiny_models import TinyModelSpec, build_tiny_model
+from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
 
 pytestmark = pytest.mark.server
 
 
 def _tp2(family: str, name: str):
     model = build_tiny_model(family, os.path.abspath(os.path.join(MODEL_ROOT, name)),
-                             spec=TinyModelSpec(linear_num_key_heads=2, linear_num_value_heads=4))
+                             spec=SPECS["tp"])
     env = cpu_env(True, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"})
     args = ["--tensor-parallel-size", "2", "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
             "--no-enable-prefix-caching"]

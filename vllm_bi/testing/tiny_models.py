@@ -120,6 +120,8 @@ SPECS = {
     "moe-router": TinyModelSpec(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                                 linear_num_key_heads=4, linear_num_value_heads=8, num_experts=256,
                                 num_experts_per_tok=8, moe_intermediate_size=128),
+    # the default with 2 GDN key / 4 value heads: splittable over tensor-parallel size 2
+    "tp": TinyModelSpec(linear_num_key_heads=2, linear_num_value_heads=4),
 }
 
 

@@ -64,7 +64,9 @@ class Policy:
         replicated = {id(p) for p in dist.replicated}
         self.is_replicated = [id(p) in replicated for p in self.params]
         self.masters = [p.detach().float().clone().requires_grad_(True) for p in self.params]
-        self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # foreach=False on every device: under FSDP2 the masters mix DTensors (sharded) and plain tensors
+        # (replicated fp32 params), which the foreach kernels (CUDA's default) refuse to take in one call
+        self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False)
         self.grad_clip = cfg.grad_clip
 
     def accumulate(self) -> None:

@@ -1,0 +1,46 @@
+"""Engine-creation checks of parallel settings (``patches._check_parallelism``) on stand-in configs."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_bi.model_executor.patches import UNVERIFIED_TP_ENV, BatchInvarianceConfigError, _check_parallelism
+
+
+def _config(tp=1, pp=1, key_heads=2, value_heads=4, experts=0, ep=False):
+    hf = SimpleNamespace(linear_num_key_heads=key_heads, linear_num_value_heads=value_heads, num_experts=experts)
+    par = SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep,
+                          use_sequence_parallel_moe=False)
+    return SimpleNamespace(parallel_config=par, model_config=SimpleNamespace(hf_text_config=hf))
+
+
+CPU = SimpleNamespace(is_cpu=lambda: True)
+CUDA = SimpleNamespace(is_cpu=lambda: False)
+
+
+def test_tp_must_divide_the_gdn_heads():
+    # one GDN key head cannot be split over 2 ranks (vLLM's own warm-up then failed an assertion on the H200)
+    with pytest.raises(BatchInvarianceConfigError, match="does not divide the model's GDN heads"):
+        _check_parallelism(_config(tp=2, key_heads=1, value_heads=2), CPU)
+    _check_parallelism(_config(tp=2, key_heads=2, value_heads=4), CPU)
+
+
+def test_pipeline_parallel_refused():
+    with pytest.raises(BatchInvarianceConfigError, match="pipeline parallelism"):
+        _check_parallelism(_config(pp=2), CPU)
+
+
+def test_tp_on_cuda_needs_the_opt_in(monkeypatch):
+    monkeypatch.delenv(UNVERIFIED_TP_ENV, raising=False)
+    with pytest.raises(BatchInvarianceConfigError, match="verified on CPU only"):
+        _check_parallelism(_config(tp=2), CUDA)
+    monkeypatch.setenv(UNVERIFIED_TP_ENV, "1")
+    _check_parallelism(_config(tp=2), CUDA)
+    with pytest.raises(BatchInvarianceConfigError, match="MoE"):
+        _check_parallelism(_config(tp=2, experts=8), CUDA)
+
+
+def test_moe_with_expert_parallel_refused_on_cpu():
+    _check_parallelism(_config(tp=2, experts=8), CPU)
+    with pytest.raises(BatchInvarianceConfigError, match="MoE"):
+        _check_parallelism(_config(tp=2, experts=8, ep=True), CPU)
