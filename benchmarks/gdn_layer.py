@@ -1,5 +1,5 @@
 """Benchmark: one GDN layer core at Qwen3.5-9B dimensions (16 key / 32 value heads of dim 128, conv width 4),
-stock (non-batch-invariant) vs vllm_bi's recurrent batch-invariant mode, on CUDA.
+stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invariant modes, on CUDA.
 
     python benchmarks/gdn_layer.py [--out results.md] [--quick]
 
@@ -9,13 +9,20 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
 * prefill B x T (new sequences, zero states) and decode B x 1 (existing states):
   - stock: fla-core ``causal_conv1d`` (varlen) + ``chunk_gated_delta_rule`` (prefill) or
     ``fused_recurrent_gated_delta_rule`` (decode), the kernels vLLM's GDN layer uses;
-  - BI recurrence: vllm_bi's kernel call alone (``gdn_recurrent_varlen``: fla-core fused recurrent, explicit
-    fp32 states) on the same q/k/v/g/beta;
-  - BI core: ``gdn_varlen`` (what the server and the trainer run: per-sequence conv in torch + gating +
-    the recurrence).
+  - recurrent / chunk kernel: vllm_bi's recurrence alone on the same q/k/v/g/beta
+    (``gdn_recurrent_varlen``: fla-core fused recurrent; ``gdn_chunk_varlen``: fla-core chunked, two launches,
+    pinned configs), explicit fp32 states;
+  - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: per-sequence conv in torch +
+    gating + the recurrence);
+  - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
+    ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
-  forward (recurrent) and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
-  refuses it; the table says which).
+  forward in each mode and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
+  refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
+  (Hopper with Triton < 3.7.1 and no tilelang).
+
+All stock runs come first: the chunk mode pins fla-core's autotuned kernels process-wide, and the table
+lists what autotuning had picked for the stock runs and what the chunk mode pins.
 
 Median of N timed runs (CUDA events) after warm-ups; ratios are BI / stock.
 """
@@ -71,67 +78,124 @@ def stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, state0, decode:
               output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 
 
-def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states):
+def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode="recurrent"):
     from vllm_bi.attention.gdn_recurrent import gdn_varlen
 
     ranges, s = [], 0
     for n in lens:
         ranges.append((s, s + n))
         s += n
-    return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V)
+    return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode)
 
 
-def bi_recurrence(lens, q, k, v, g, beta, states):
+def bi_kernel(lens, q, k, v, g, beta, states, mode):
+    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
     from vllm_bi.attention.gdn_recurrent import gdn_recurrent_varlen
 
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    return gdn_recurrent_varlen(q, k, v, g, beta, states, cu)
+    fn = gdn_chunk_varlen if mode == "chunk" else gdn_recurrent_varlen
+    return fn(q, k, v, g, beta, states, cu)
 
 
-def run_forward(label: str, lens: list[int], decode: bool, dev: str, reps: int) -> str:
-    from vllm_bi.attention.gdn_recurrent import gdn_gating
+class Shape:
+    """One benchmark row: stock runs ``lens`` (decode: one token per sequence); the chunk mode runs
+    ``chunk_lens`` (decode: the partial block it recomputes plus the new token)."""
 
+    def __init__(self, label, lens, decode=False, partial=0):
+        self.label, self.lens, self.decode = label, lens, decode
+        self.chunk_lens = [n + partial for n in lens]
+
+
+def _forward_inputs(lens, decode, dev):
     N = len(lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(lens, dev)
     conv0 = torch.randn(N, D, W, device=dev).bfloat16() * (1.0 if decode else 0.0)  # fla layout [N, D, W]
-    conv_states = conv0[:, :, 1:].transpose(1, 2).contiguous()  # vllm_bi layout [N, W-1, D]
     st_kv = torch.randn(N, HV, K, V, device=dev) * (0.1 if decode else 0.0)  # fla layout
-    st_vk = st_kv.transpose(-1, -2).contiguous()  # vllm_bi layout [N, HV, V, K]
-    T = sum(lens)
+    return mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv
+
+
+def _qkvgb(mixed, A_log, a, b, dt_bias):
+    from vllm_bi.attention.gdn_recurrent import gdn_gating
+
+    T = mixed.shape[0]
     q = mixed[:, :KEY].reshape(T, H, K).contiguous()
     k = mixed[:, KEY:2 * KEY].reshape(T, H, K).contiguous()
     v = mixed[:, 2 * KEY:].reshape(T, HV, V).contiguous()
     g, beta = gdn_gating(A_log, a, b, dt_bias)
-    t_stock = timed(lambda: stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, decode), reps)
-    t_rec = timed(lambda: bi_recurrence(lens, q, k, v, g, beta, st_vk), reps)
-    t_core = timed(lambda: bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk), reps)
-    return (f"| {label} | {t_stock:.3f} | {t_rec:.3f} | {t_rec / t_stock:.2f}x | {t_core:.3f} | "
-            f"{t_core / t_stock:.2f}x |")
+    return q, k, v, g, beta
 
 
-def run_train(label: str, lens: list[int], dev: str, reps: int) -> str:
+def time_stock_forward(shape: Shape, dev: str, reps: int) -> float:
+    mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv = _forward_inputs(shape.lens, shape.decode, dev)
+    return timed(lambda: stock_core(shape.lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, shape.decode),
+                 reps)
+
+
+def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
+    """(kernel alone, whole BI core) milliseconds in ``mode``."""
+    lens = shape.chunk_lens if mode == "chunk" else shape.lens
+    mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv = _forward_inputs(lens, shape.decode, dev)
+    conv_states = conv0[:, :, 1:].transpose(1, 2).contiguous()  # vllm_bi layout [N, W-1, D]
+    st_vk = st_kv.transpose(-1, -2).contiguous()  # vllm_bi layout [N, HV, V, K]
+    q, k, v, g, beta = _qkvgb(mixed, A_log, a, b, dt_bias)
+    t_kernel = timed(lambda: bi_kernel(lens, q, k, v, g, beta, st_vk, mode), reps)
+    t_core = timed(lambda: bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk, mode), reps)
+    return t_kernel, t_core
+
+
+def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, str]:
+    """fwd+bwd milliseconds and the backward path; ``mode`` stock | recurrent | chunk."""
     from vllm_bi.attention import gdn_recurrent as gr
 
     N = len(lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(lens, dev, grad=True)
-    conv0 = torch.zeros(N, D, W, device=dev, dtype=torch.bfloat16)
-    st_kv = torch.zeros(N, HV, K, V, device=dev)
-    conv_states = torch.zeros(N, W - 1, D, device=dev, dtype=torch.bfloat16)
-    st_vk = torch.zeros(N, HV, V, K, device=dev)
+    if mode == "stock":
+        conv0 = torch.zeros(N, D, W, device=dev, dtype=torch.bfloat16)
+        st_kv = torch.zeros(N, HV, K, V, device=dev)
 
-    def stock():
-        o, _ = stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, decode=False)
-        o.float().square().mean().backward()
+        def step():
+            o, _ = stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, decode=False)
+            o.float().square().mean().backward()
+    else:
+        conv_states = torch.zeros(N, W - 1, D, device=dev, dtype=torch.bfloat16)
+        st_vk = torch.zeros(N, HV, V, K, device=dev)
 
-    def bi():
-        outs, _, _ = bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk)
-        torch.cat(outs).float().square().mean().backward()
+        def step():
+            outs, _, _ = bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk, mode)
+            torch.cat(outs).float().square().mean().backward()
 
-    t_stock = timed(stock, reps, warmup=1)
     gr._warned_fallback = False
-    t_bi = timed(bi, reps, warmup=1)
-    path = "torch recurrence" if gr._warned_fallback else "fla chunked"
-    return f"| {label} | {t_stock:.3f} | {t_bi:.3f} | {t_bi / t_stock:.2f}x | {path} |"
+    try:
+        t = timed(step, reps, warmup=1)
+    except RuntimeError as e:  # fla-core refuses its chunked backward on Hopper with Triton < 3.7.1, no tilelang
+        return None, "refused: " + str(e).splitlines()[0][:60]
+    return t, "torch recurrence" if gr._warned_fallback else "fla chunked"
+
+
+def _autotuned() -> str:
+    """The configs fla-core's autotuner picked for the stock runs (before vllm_bi pins them)."""
+    import importlib
+
+    from triton.runtime.autotuner import Autotuner
+
+    from vllm_bi.attention.gdn_chunk import FLA_CHUNK_PINS
+
+    out = []
+    for mod, name in FLA_CHUNK_PINS:
+        kern = getattr(importlib.import_module(mod), name)
+        while not isinstance(kern, Autotuner) and hasattr(kern, "fn"):
+            kern = kern.fn
+        picks = sorted({str(c) for c in getattr(kern, "cache", {}).values()})
+        out.append(f"- {name}: {'; '.join(picks) or 'not run'}")
+    return "\n".join(out)
+
+
+def _ratio(t, ref):
+    return "n/a" if t is None or ref is None else f"{t / ref:.2f}x"
+
+
+def _ms(t):
+    return "n/a" if t is None else f"{t:.3f}"
 
 
 def main() -> None:
@@ -139,31 +203,61 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the tables to this file")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs (a smoke test)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--partial", type=int, default=32,
+                    help="decode rows: tokens of the partial block the chunk mode recomputes (mean 32, worst 63)")
     args = ap.parse_args()
     dev = "cuda"
     torch.manual_seed(0)
-    q = args.quick
-    prefill = [("prefill 1x16K", [16384]), ("prefill 8x8K", [8192] * 8), ("prefill 64x1K", [1024] * 64)]
-    decode = [("decode 1", [1]), ("decode 16", [1] * 16), ("decode 256", [1] * 256)]
-    # 4K tokens each: the torch-recurrence backward keeps every step's state for autograd (~2 MB a token here)
+    p = args.partial
+    shapes = [Shape("prefill 1x16K", [16384]), Shape("prefill 8x8K", [8192] * 8), Shape("prefill 64x1K", [1024] * 64),
+              Shape("decode 1", [1], True, p), Shape("decode 16", [1] * 16, True, p),
+              Shape("decode 256", [1] * 256, True, p), Shape("decode 256, partial 63 (worst)", [1] * 256, True, 63)]
+    # the torch-recurrence backward (where fla-core refuses its chunked one) keeps every step's state: 4K tokens
     train = [("train 1x4K", [4096]), ("train 4x1K", [1024] * 4), ("train 16x256", [256] * 16)]
-    if q:
-        prefill, decode, train = [("prefill 4x512", [512] * 4)], [("decode 16", [1] * 16)], [("train 2x256", [256] * 2)]
-    out = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "
-           f"(H={H}, HV={HV}, K=V={K}); median ms of {args.reps}\n",
-           "| shape | stock (ms) | BI recurrence (ms) | ratio | BI core (ms) | ratio |",
-           "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for label, lens in prefill + decode:
+    if args.quick:
+        shapes = [Shape("prefill 4x512", [512] * 4), Shape("decode 16", [1] * 16, True, p)]
+        train = [("train 2x256", [256] * 2)]
+    reps_train = max(3, args.reps // 3)
+    # stock first: pinning (the chunk mode) would also pin the stock run's fla-core kernels in this process
+    stock = {}
+    for sh in shapes:
+        stock[sh.label] = time_stock_forward(sh, dev, args.reps)
+        print(f"stock {sh.label}: {stock[sh.label]:.3f} ms", flush=True)
+    for label, lens in train:
+        stock[label] = time_train(lens, "stock", dev, reps_train)
+        print(f"stock {label}: {stock[label]}", flush=True)
+    tuned = _autotuned()
+    rows = []
+    for sh in shapes:
         t0 = time.time()
-        out.append(run_forward(label, lens, label.startswith("decode"), dev, args.reps))
-        print(out[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    out += ["", "| trainer fwd+bwd | stock (ms) | BI (ms) | ratio | BI backward path |", "| --- | ---: | ---: | ---: | --- |"]
+        rk, rc = time_bi_forward(sh, "recurrent", dev, args.reps)
+        ck, cc = time_bi_forward(sh, "chunk", dev, args.reps)
+        s = stock[sh.label]
+        rows.append(f"| {sh.label} | {s:.3f} | {rk:.3f} | {rk / s:.2f}x | {ck:.3f} | {ck / s:.2f}x | "
+                    f"{rc:.3f} | {rc / s:.2f}x | {cc:.3f} | {cc / s:.2f}x |")
+        print(rows[-1], f"({time.time() - t0:.0f} s)", flush=True)
+    trows = []
     for label, lens in train:
         t0 = time.time()
-        out.append(run_train(label, lens, dev, max(3, args.reps // 3)))
-        print(out[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    table = "\n".join(out) + "\n"
-    emit(table, args.out)
+        (ts, ps), (tr, pr), (tc, pc) = stock[label], time_train(lens, "recurrent", dev, reps_train), \
+            time_train(lens, "chunk", dev, reps_train)
+        trows.append(f"| {label} | {_ms(ts)} | {_ms(tr)} | {_ratio(tr, ts)} | {_ms(tc)} | {_ratio(tc, ts)} | "
+                     f"{ps}; {pr}; {pc} |")
+        print(trows[-1], f"({time.time() - t0:.0f} s)", flush=True)
+    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
+
+    out = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "
+           f"(H={H}, HV={HV}, K=V={K}); median ms of {args.reps} (train: {reps_train}); ratios are BI / stock. "
+           f"Decode rows: stock and recurrent run 1 token per sequence, the chunk mode {p} + 1 (the partial block "
+           "it recomputes) unless the row says otherwise.\n",
+           "| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
+           "chunk core | ratio |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, "",
+           "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | backward (stock; recurrent; chunk) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | --- |", *trows, "",
+           "fla-core configs autotuning picked for the stock runs:", tuned, "",
+           "configs the chunk mode pins:", *[f"- {k}: {v}" for k, v in pin_fla_chunk_configs().items()]]
+    emit("\n".join(out) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
-#   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, serve-parity [ARGS ;],
-#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench (benchmarks/gdn_layer.py, bi_gemm.py)
+#   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
+#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS, bi_gemm.py)
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
 # installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
@@ -78,6 +78,9 @@ while [ $# -gt 0 ]; do
     install) ;;
     check) job_check 2>&1 | tee "$LOG/check.log" ;;
     kernels) python3 -m pytest -p no:cacheprovider -m gpu "$REPO/tests/gpu" -v -rs 2>&1 | tee "$LOG/kernels.log" ;;
+    pytest)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO" && python3 -m pytest -p no:cacheprovider -m gpu -v -rs -s "${args[@]}" ) 2>&1 | tee "$LOG/pytest.log" ;;
     serve-parity)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 "$REPO/scripts/gpu_serve_parity.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/serve-parity.log" ;;
@@ -85,7 +88,8 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 "$REPO/scripts/gpu_suite.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/suite.log" ;;
     bench)
-      ( cd "$REPO/benchmarks" && python3 gdn_layer.py --out "$LOG/bench_gdn_layer.md" && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO/benchmarks" && python3 gdn_layer.py --out "$LOG/bench_gdn_layer.md" "${args[@]}" && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -52,13 +52,16 @@ class Job:
     expect_pass: bool = True  # a control (stock server, default CUDA ops) is expected to fail parity
 
 
-def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="") -> Job:
+def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
+            prompts=None) -> Job:
     server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
     if stock:
         argv.append("--stock-server")
-    env = {"VLLM_BI_CUDA_OPS": ops}
+    if prompts:
+        argv += ["--prompts", prompts]
+    env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn}
     if tp > 1:
         env["VLLM_BI_ALLOW_UNVERIFIED_TP"] = "1"
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
@@ -89,10 +92,34 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                   Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-9b"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2)],
+        # chunk-aligned GDN mode: prompts of 150-300 tokens split by the 64-token batch budget at
+        # unaligned offsets, and 80 decode steps that cross block boundaries
+        "chunk": [_parity("parity own-ops chunk mode qwen3.5", m["qwen3.5"], gdn="chunk", max_tokens=80,
+                          prompts=long_prompts(models)),
+                  _parity("parity own-ops chunk mode qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="chunk", max_tokens=80,
+                          prompts=long_prompts(models)),
+                  _parity("parity own-ops chunk mode qwen3.5-moe", m["qwen3.5-moe"], gdn="chunk", max_tokens=80,
+                          prompts=long_prompts(models)),
+                  Job("trainer 1 GPU chunk mode qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
+                      {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "chunk"})],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],
     }
+
+
+def long_prompts(models: str) -> str:
+    """A JSONL prompts file (written once) of 8 prompts of about 150-300 tokens."""
+    path = os.path.join(models, "long_prompts.jsonl")
+    if not os.path.exists(path):
+        os.makedirs(models, exist_ok=True)
+        words = ("the state of a gated delta rule layer keeps a running summary of keys and values and decays "
+                 "it at every token while the attention layers read the whole context").split()
+        with open(path, "w") as f:
+            for i in range(8):
+                n = 150 + 20 * i
+                f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n))}) + "\n")
+    return path
 
 
 def build_models(models: str, names: set[str]) -> None:
@@ -133,7 +160,9 @@ class GpuPool:
 
 def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) -> dict:
     ids = pool.take(job.gpus)
-    env = dict(os.environ, **job.env, CUDA_VISIBLE_DEVICES=",".join(map(str, ids)), PYTHONUNBUFFERED="1")
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = [visible[i] if i < len(visible) else str(i) for i in ids]  # the suite's own GPU list, if given
+    env = dict(os.environ, **job.env, CUDA_VISIBLE_DEVICES=",".join(devices), PYTHONUNBUFFERED="1")
     slug = "".join(c if c.isalnum() or c in "-." else "_" for c in job.name)
     run_dir = os.path.join(RUNS, slug)
     argv = list(job.argv)

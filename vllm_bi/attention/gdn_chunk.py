@@ -26,9 +26,17 @@ unrolled over the block. q and k are l2-normalised (eps 1e-6) and q scaled by ``
 Inputs and shapes as :func:`~vllm_bi.attention.gdn_recurrent.gdn_recurrent`: ``q, k [T, H, K]``,
 ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``state [HV, V, K]`` fp32.
 
-Selected with ``VLLM_BI_GDN_MODE=chunk`` (server and trainer alike). This module is the CPU
-implementation and the specification a CUDA path (fla-core's chunk kernel with pinned configs) must meet;
-on CUDA the mode is refused for now.
+Selected with ``VLLM_BI_GDN_MODE=chunk`` (server and trainer alike); :func:`gdn_chunk_varlen` is the one
+entry point. CPU: :func:`gdn_chunk_aligned` below, per sequence (the specification). CUDA: fla-core's chunked
+kernel (``chunk_gated_delta_rule``, chunk 64), which anchors its chunks at each packed sequence's start, in
+two launches so that the state at the last boundary comes out in fp32: the whole blocks of every sequence
+(their final states are the new boundary states), then the partial blocks from those states. Every
+autotuned fla-core kernel of that forward is pinned to one config (:func:`pin_fla_chunk_configs`), so the
+server and the trainer, in any process and for any batch, run the same code. Within a 64-row chunk, row
+``t`` of every fla-core intermediate depends on rows ``<= t`` only (later rows enter multiplied by exact
+zeros), and the state between chunks stays fp32 (``h`` is its bf16 rounding in both launches), so a token
+gets the same bits in a full chunk of a long launch and in a partial chunk of a decode step. The GPU tests
+(``tests/gpu/test_gdn_chunk_cuda.py``) check that claim.
 """
 
 from __future__ import annotations
@@ -40,15 +48,15 @@ from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["CHUNK", "GDN_MODE_ENV", "gdn_mode", "gdn_chunk_aligned"]
+__all__ = ["CHUNK", "GDN_MODE_ENV", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "pin_fla_chunk_configs"]
 
 CHUNK = 64
 GDN_MODE_ENV = "VLLM_BI_GDN_MODE"
 
 
 def gdn_mode() -> str:
-    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default) or ``chunk`` (CPU only in this release). The server and
-    the trainer must run the same mode; both read it from here."""
+    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default) or ``chunk``. The server and the trainer must run the
+    same mode; both read it from here."""
     import os
 
     mode = os.environ.get(GDN_MODE_ENV, "recurrent").strip().lower() or "recurrent"
@@ -128,3 +136,130 @@ def gdn_chunk_aligned(
         else:  # partial block: the state after its last real token (padding has g = 0, beta = 0)
             S = S_end
     return out, boundary, S
+
+
+def gdn_chunk_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences, each starting at a block boundary from its boundary state: ``q, k [T, H, K]``,
+    ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``states [N, HV, V, K]`` fp32, ``cu_seqlens`` N + 1 offsets.
+
+    Returns ``(o [T, HV, V], boundary states [N, HV, V, K] fp32)``: each sequence's state at the last block
+    boundary it reached (its input state when it reached none). ``o`` is fp32 on CPU and ``v.dtype`` on
+    CUDA. Differentiable (CUDA: fla-core's chunked backward, or the torch recurrence where fla-core
+    refuses it)."""
+    cu = [int(x) for x in cu_seqlens]
+    if states is None or states.dtype != torch.float32:
+        raise ValueError("gdn_chunk_varlen needs explicit fp32 boundary states (zeros for new sequences)")
+    if not q.is_cuda:
+        outs, bounds = [], []
+        for i in range(len(cu) - 1):
+            s, e = cu[i], cu[i + 1]
+            o, b, _ = gdn_chunk_aligned(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], states[i], scale)
+            outs.append(o)
+            bounds.append(b)
+        return torch.cat(outs), torch.stack(bounds)
+    return _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale)
+
+
+def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
+    from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule
+
+    pin_fla_chunk_configs()
+    C, dev = CHUNK, q.device
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = len(cu) - 1
+    whole = [(cu[i + 1] - cu[i]) // C * C for i in range(n)]
+    o = torch.zeros(v.shape, dtype=v.dtype, device=dev)
+    bound = states.transpose(-1, -2)  # fla-core keeps [N, HV, K, V]
+
+    def launch(seqs, lo, hi, h0):
+        # rows [lo(i), hi(i)) of each sequence i in seqs, packed, through one fla-core chunked launch
+        lens = torch.tensor([hi(i) - lo(i) for i in seqs])
+        ends = lens.cumsum(0)
+        starts = torch.tensor([lo(i) for i in seqs])
+        rows = (torch.arange(int(ends[-1])) + torch.repeat_interleave(starts - (ends - lens), lens)).to(dev)
+        cut = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(dev)
+        o_part, ht = FLAGatedDeltaRule.apply(
+            "chunk", q[rows].unsqueeze(0), k[rows].unsqueeze(0), v[rows].unsqueeze(0),
+            g[rows].to(torch.promote_types(g.dtype, torch.float32)).unsqueeze(0), beta[rows].unsqueeze(0),
+            h0.contiguous(), cut, scale)
+        return rows, o_part[0], ht
+
+    full = [i for i in range(n) if whole[i]]
+    if full:
+        rows, o_full, ht = launch(full, lambda i: cu[i], lambda i: cu[i] + whole[i], bound[full])
+        o = o.index_copy(0, rows, o_full.to(o.dtype))
+        bound = bound.index_copy(0, torch.tensor(full, device=dev), ht)
+    part = [i for i in range(n) if cu[i] + whole[i] < cu[i + 1]]
+    if part:
+        rows, o_part, _ = launch(part, lambda i: cu[i] + whole[i], lambda i: cu[i + 1], bound[part])
+        o = o.index_copy(0, rows, o_part.to(o.dtype))
+    return o, bound.transpose(-1, -2)
+
+
+# fla-core 0.6.0 kernels of the chunked forward and the config each is pinned to (fields that must match
+# one of the kernel's own configs; the first of its list where none does). Autotuning picks by timing, per
+# process and per key (l2norm's key changes with the number of rows), and the config decides the
+# reduction order; pinned, every process and batch runs the same code.
+FLA_CHUNK_PINS = {
+    ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): {"num_warps": 4},
+    ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"): {"BK": 64, "num_warps": 4},
+    ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"): {"num_warps": 4, "num_stages": 3},
+    ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"):
+        {"BV": 32, "num_warps": 4, "num_stages": 2},
+    ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"): {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3},
+    ("fla.modules.norm.l2norm", "l2norm_fwd_kernel"): {"BT": 16, "num_warps": 4},
+    ("fla.modules.norm.l2norm", "l2norm_fwd_kernel_row"): {"num_warps": 8},
+}
+# fla-core re-dispatches the whole op to other backends when these are on; the chunk-aligned mode needs its
+# own Triton kernels
+_FLA_ENV_OFF = {"FLA_FLASH_QLA": "0", "FLA_INTRACARD_CP": "0"}
+_pinned: dict[str, str] = {}
+
+
+def _matches(cfg, want: dict) -> bool:
+    have = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def pin_fla_chunk_configs() -> dict[str, str]:
+    """Pin every autotuned kernel of fla-core's chunked GDN forward to one config (idempotent).
+
+    Returns ``{kernel: config}``. Raises ``RuntimeError`` naming the kernel when fla-core does not have it
+    where this release expects it (another fla-core version): the chunk-aligned mode cannot then promise
+    the same code in every process."""
+    if _pinned:
+        return _pinned
+    import importlib
+    import os
+
+    from triton.runtime.autotuner import Autotuner
+
+    for k, v in _FLA_ENV_OFF.items():
+        os.environ[k] = v
+    pinned = {}
+    for (mod, name), want in FLA_CHUNK_PINS.items():
+        try:
+            kernel = getattr(importlib.import_module(mod), name)
+        except (ImportError, AttributeError) as e:
+            raise RuntimeError(
+                f"vllm_bi: the chunk-aligned GDN mode pins fla-core's {mod}.{name}, which this fla-core does "
+                f"not have ({e}); install fla-core==0.6.0 or use {GDN_MODE_ENV}=recurrent") from e
+        while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
+            kernel = kernel.fn
+        if not isinstance(kernel, Autotuner):
+            raise RuntimeError(f"vllm_bi: fla-core's {mod}.{name} is not autotuned here; cannot pin it")
+        cfg = next((c for c in kernel.configs if _matches(c, want)), kernel.configs[0])
+        kernel.configs = [cfg]
+        kernel.cache.clear()
+        pinned[name] = str(cfg)
+    _pinned.update(pinned)
+    return _pinned

@@ -112,17 +112,23 @@ def gdn_recurrent(
     return out, S
 
 
-class _FLARecurrentChunkBackward(torch.autograd.Function):
-    """Forward: fla-core fused recurrent (batch-invariant). Backward: fla-core chunked kernel."""
+class FLAGatedDeltaRule(torch.autograd.Function):
+    """A fla-core forward with a backward that works on every GPU.
+
+    Forward: ``kind="recurrent"`` is fla-core's fused recurrent kernel (vllm_bi's recurrent mode),
+    ``kind="chunk"`` its chunked kernel (the chunk-aligned mode; callers pin its configs,
+    :func:`vllm_bi.attention.gdn_chunk.pin_fla_chunk_configs`). fla-core layout: ``q, k [1, T, H, K]``,
+    ``v [1, T, HV, V]``, ``g, beta [1, T, HV]``, ``h0 [N, HV, K, V]`` fp32, ``cu`` a LongTensor; l2norm of q
+    and k in the kernel. Returns ``(o, final states)``.
+
+    Backward: recompute with fla-core's chunked kernel and differentiate it, or, where fla-core refuses its
+    chunked backward (Hopper with Triton < 3.7.1 and no tilelang), the same math in torch
+    (:func:`gdn_torch_varlen`). Only the forward has to match the server bit for bit."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0_kv, cu, scale):
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-
-        o, ht = fused_recurrent_gated_delta_rule(
-            q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0_kv, output_final_state=True,
-            cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-        )
+    def forward(ctx, kind, q, k, v, g, beta, h0_kv, cu, scale):
+        with torch.no_grad():
+            o, ht = _FLA_FORWARDS[kind](q, k, v, g, beta, h0_kv, cu, scale)
         ctx.save_for_backward(q, k, v, g, beta, h0_kv, cu)
         ctx.scale = scale
         return o, ht
@@ -131,12 +137,22 @@ class _FLARecurrentChunkBackward(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu = ctx.saved_tensors
         try:
-            return (*_recompute_grads(_fla_chunk, q, k, v, g, beta, h0, cu, ctx.scale, do, dht), None, None)
+            grads = _recompute_grads(_FLA_FORWARDS["chunk"], q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
         except RuntimeError as e:
             if _HOPPER_REFUSAL not in str(e):
                 raise
             _warn_fallback(e)
-        return (*_recompute_grads(gdn_torch_varlen, q, k, v, g, beta, h0, cu, ctx.scale, do, dht), None, None)
+            grads = _recompute_grads(gdn_torch_varlen, q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
+        return (None, *grads, None, None)
+
+
+def _fla_recurrent(q, k, v, g, beta, h0, cu, scale):
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
+        cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+    )
 
 
 _HOPPER_REFUSAL = "3.7.1"  # fla-core 0.6.0: gated chunk backward refused on Hopper with Triton 3.4 - 3.7.0
@@ -150,6 +166,9 @@ def _fla_chunk(q, k, v, g, beta, h0, cu, scale):
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
         cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
     )
+
+
+_FLA_FORWARDS = {"recurrent": _fla_recurrent, "chunk": _fla_chunk}
 
 
 def _recompute_grads(fn, q, k, v, g, beta, h0, cu, scale, do, dht):
@@ -229,8 +248,8 @@ def gdn_recurrent_varlen(
         scale = K**-0.5 if scale is None else scale
         cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
         h0 = states.transpose(-1, -2).contiguous()  # fla-core keeps [N, HV, K, V]
-        o, ht = _FLARecurrentChunkBackward.apply(
-            q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0), h0, cu_t, scale
+        o, ht = FLAGatedDeltaRule.apply(
+            "recurrent", q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0), h0, cu_t, scale
         )
         return o[0], ht.transpose(-1, -2)
     outs, finals = [], []
@@ -317,7 +336,7 @@ def gdn_varlen(
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
-    ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_aligned` instead
+    ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` instead
     (each sequence's first row must sit at a block boundary and ``states`` are the boundary states);
     the returned states are then the states at each sequence's last boundary.
 
@@ -344,15 +363,10 @@ def gdn_varlen(
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
     if mode == "chunk":
-        from vllm_bi.attention.gdn_chunk import gdn_chunk_aligned
+        from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
 
-        outs, finals = [], []
-        for j in range(len(ranges)):
-            s, e = cu[j], cu[j + 1]
-            o_j, boundary, _ = gdn_chunk_aligned(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], states[j])
-            outs.append(o_j)
-            finals.append(boundary)
-        return outs, torch.stack(new_conv), torch.stack(finals)
+        o, finals = gdn_chunk_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
+        return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], torch.stack(new_conv), finals
     if mode != "recurrent":
         raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
     o, finals = gdn_recurrent_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)

@@ -14,6 +14,9 @@ symbol                                          why / how
 ``QwenGatedDeltaNetAttention.forward_cpu``      stock runs a chunked C++ prefill kernel, a different decode
                                                 kernel and a bf16 state. -> ``gdn.bi_gdn_forward``: one
                                                 recurrent path, fp32 state, explicit zero state.
+``kernel_warmup.qwen_triton_warmup`` (CUDA)     warms vLLM's GDN Triton kernels, which BI never runs, and
+                                                asserts stock conv-state shapes (chunk mode widens them).
+                                                -> no-op.
 ``EngineArgs.create_engine_config``             fp32 SSM cache (auto -> float32, explicit other dtype ->
                                                 refuse), eager mode on CPU (inductor would re-fuse the ops),
                                                 speculative decoding refused.
@@ -81,7 +84,7 @@ import os
 
 import torch
 
-from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+from vllm_bi.attention.gdn_chunk import gdn_mode
 
 __all__ = ["apply_all", "PATCHED", "BIGenerator"]
 
@@ -214,6 +217,12 @@ def _patch_gdn() -> None:
     for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu"):
         if hasattr(QwenGatedDeltaNetAttention, name):
             _patch(QwenGatedDeltaNetAttention, name, bi_gdn_forward)
+    try:
+        from vllm.model_executor.warmup import kernel_warmup
+    except ImportError:
+        kernel_warmup = None
+    if kernel_warmup is not None and hasattr(kernel_warmup, "qwen_triton_warmup"):
+        _patch(kernel_warmup, "qwen_triton_warmup", _skip_qwen_gdn_warmup)
     if gdn_mode() == "chunk":
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
@@ -222,6 +231,12 @@ def _patch_gdn() -> None:
         orig = MambaStateShapeCalculator.__dict__["gated_delta_net_state_shape"].__func__
         if not getattr(orig, "_vllm_bi", False):
             _patch(MambaStateShapeCalculator, "gated_delta_net_state_shape", classmethod(chunk_state_shape(orig)))
+
+
+def _skip_qwen_gdn_warmup(runner, model_config) -> None:
+    """vLLM's start-up warm-up of its own Qwen GDN Triton kernels: BI mode never runs them (the GDN forward
+    is vllm_bi's), and the warm-up assumes stock conv-state shapes (the chunk-aligned mode widens them)."""
+    logger.info("vllm_bi: skipping vLLM's Qwen GDN Triton warm-up (those kernels are not used under BI)")
 
 
 # --------------------------------------------------------------------------- models
@@ -632,10 +647,6 @@ def apply_all() -> list[str]:
             f"the current platform is {current_platform.device_name!r}, which was never verified. "
             "Unset VLLM_BATCH_INVARIANT to run stock vLLM."
         )
-    if gdn_mode() == "chunk" and not cpu:
-        raise RuntimeError(
-            f"vllm_bi: {GDN_MODE_ENV}=chunk runs on CPU only in this release (the CUDA chunk path is not "
-            f"written yet); unset {GDN_MODE_ENV} for the recurrent mode.")
     _patch_engine_args()
     _patch_gdn()
     _patch_worker_rpc()
