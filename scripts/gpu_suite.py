@@ -89,7 +89,8 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         "fsdp2": [Job("trainer FSDP2 x2 GPUs qwen3.5", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-tp"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
-                  Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
+        ],
+        "fsdp2-big": [Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-9b"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2)],
         # chunk-aligned GDN mode: prompts of 150-300 tokens split by the 64-token batch budget at

@@ -180,13 +180,6 @@ def _check_parallelism(config, platform) -> None:
     has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
     if tp == 1:
         return
-    hf = config.model_config.hf_text_config
-    gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
-    uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}
-    if uneven:
-        raise BatchInvarianceConfigError(
-            f"vllm_bi: tensor parallelism {tp} does not divide the model's GDN heads ({uneven}); each rank "
-            "needs whole heads. Use a --tensor-parallel-size that divides them.")
     if not platform.is_cpu() and os.environ.get(UNVERIFIED_TP_ENV) != "1":
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
@@ -196,6 +189,13 @@ def _check_parallelism(config, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
             "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
+    hf = config.model_config.hf_text_config
+    gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
+    uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}
+    if uneven:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism {tp} does not divide the model's GDN heads ({uneven}); each rank "
+            "needs whole heads. Use a --tensor-parallel-size that divides them.")
     logger.info("vllm_bi: tensor parallelism %d: row-parallel layers all-reduce exact float64 partial sums", tp)
 
 
