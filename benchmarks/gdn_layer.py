@@ -1,7 +1,8 @@
 """Benchmark: one GDN layer core at Qwen3.5-9B dimensions (16 key / 32 value heads of dim 128, conv width 4),
 stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invariant modes, on CUDA.
 
-    python benchmarks/gdn_layer.py [--out results.md] [--quick]
+    python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick]
+    python benchmarks/gdn_layer.py --part train [--out train.md]
 
 "Core" is everything between the in-projection and the output norm: causal conv1d + SiLU, q/k/v split,
 gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
@@ -30,11 +31,10 @@ Median of N timed runs (CUDA events) after warm-ups; ratios are BI / stock.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import emit, timed
+from common import timed
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 KEY, VAL = H * K, HV * V
@@ -198,9 +198,62 @@ def _ms(t):
     return "n/a" if t is None else f"{t:.3f}"
 
 
+class Report:
+    """The output: printed and, with ``--out``, rewritten after every row (a cut run keeps what it measured)."""
+
+    def __init__(self, path: str | None):
+        self.path, self.lines = path, []
+
+    def add(self, *lines: str) -> None:
+        self.lines += lines
+        for line in lines:
+            print(line, flush=True)
+        if self.path:
+            with open(self.path, "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+
+def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> None:
+    # stock first: the chunk mode pins fla-core's kernels process-wide, which would change the stock runs
+    stock = {sh.label: time_stock_forward(sh, dev, reps) for sh in shapes}
+    rep.add("| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
+            "chunk core | ratio |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    tuned = _autotuned()
+    for sh in shapes:
+        rk, rc = time_bi_forward(sh, "recurrent", dev, reps)
+        ck, cc = time_bi_forward(sh, "chunk", dev, reps)
+        s = stock[sh.label]
+        rep.add(f"| {sh.label} | {s:.3f} | {rk:.3f} | {rk / s:.2f}x | {ck:.3f} | {ck / s:.2f}x | "
+                f"{rc:.3f} | {rc / s:.2f}x | {cc:.3f} | {cc / s:.2f}x |")
+    _configs(rep, tuned)
+
+
+def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
+    stock = {label: time_train(lens, "stock", dev, reps) for label, lens in train}
+    tuned = _autotuned()
+    rep.add("| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | backward (stock; recurrent; chunk) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for label, lens in train:
+        (ts, ps), (tr, pr), (tc, pc) = stock[label], time_train(lens, "recurrent", dev, reps), \
+            time_train(lens, "chunk", dev, reps)
+        rep.add(f"| {label} | {_ms(ts)} | {_ms(tr)} | {_ratio(tr, ts)} | {_ms(tc)} | {_ratio(tc, ts)} | "
+                f"{ps}; {pr}; {pc} |")
+    _configs(rep, tuned)
+
+
+def _configs(rep: Report, tuned: str) -> None:
+    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
+
+    rep.add("", "fla-core configs autotuning picked for the stock runs:", tuned, "", "configs the chunk mode pins:",
+            *[f"- {k}: {v}" for k, v in pin_fla_chunk_configs().items()], "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=None, help="also write the tables to this file")
+    ap.add_argument("--out", default=None, help="also write the tables to this file (rewritten after each row)")
+    ap.add_argument("--part", default="forward", choices=["forward", "train"],
+                    help="forward: prefill and decode rows; train: forward+backward rows. One per process: the "
+                         "stock runs must come before the chunk mode pins fla-core's kernels")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs (a smoke test)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--partial", type=int, default=32,
@@ -218,46 +271,15 @@ def main() -> None:
         shapes = [Shape("prefill 4x512", [512] * 4), Shape("decode 16", [1] * 16, True, p)]
         train = [("train 2x256", [256] * 2)]
     reps_train = max(3, args.reps // 3)
-    # stock first: pinning (the chunk mode) would also pin the stock run's fla-core kernels in this process
-    stock = {}
-    for sh in shapes:
-        stock[sh.label] = time_stock_forward(sh, dev, args.reps)
-        print(f"stock {sh.label}: {stock[sh.label]:.3f} ms", flush=True)
-    for label, lens in train:
-        stock[label] = time_train(lens, "stock", dev, reps_train)
-        print(f"stock {label}: {stock[label]}", flush=True)
-    tuned = _autotuned()
-    rows = []
-    for sh in shapes:
-        t0 = time.time()
-        rk, rc = time_bi_forward(sh, "recurrent", dev, args.reps)
-        ck, cc = time_bi_forward(sh, "chunk", dev, args.reps)
-        s = stock[sh.label]
-        rows.append(f"| {sh.label} | {s:.3f} | {rk:.3f} | {rk / s:.2f}x | {ck:.3f} | {ck / s:.2f}x | "
-                    f"{rc:.3f} | {rc / s:.2f}x | {cc:.3f} | {cc / s:.2f}x |")
-        print(rows[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    trows = []
-    for label, lens in train:
-        t0 = time.time()
-        (ts, ps), (tr, pr), (tc, pc) = stock[label], time_train(lens, "recurrent", dev, reps_train), \
-            time_train(lens, "chunk", dev, reps_train)
-        trows.append(f"| {label} | {_ms(ts)} | {_ms(tr)} | {_ratio(tr, ts)} | {_ms(tc)} | {_ratio(tc, ts)} | "
-                     f"{ps}; {pr}; {pc} |")
-        print(trows[-1], f"({time.time() - t0:.0f} s)", flush=True)
-    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
-
-    out = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "
-           f"(H={H}, HV={HV}, K=V={K}); median ms of {args.reps} (train: {reps_train}); ratios are BI / stock. "
-           f"Decode rows: stock and recurrent run 1 token per sequence, the chunk mode {p} + 1 (the partial block "
-           "it recomputes) unless the row says otherwise.\n",
-           "| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
-           "chunk core | ratio |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", *rows, "",
-           "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | backward (stock; recurrent; chunk) |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | --- |", *trows, "",
-           "fla-core configs autotuning picked for the stock runs:", tuned, "",
-           "configs the chunk mode pins:", *[f"- {k}: {v}" for k, v in pin_fla_chunk_configs().items()]]
-    emit("\n".join(out) + "\n", args.out)
+    rep = Report(args.out)
+    rep.add(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "
+            f"(H={H}, HV={HV}, K=V={K}); median ms of {reps_train if args.part == 'train' else args.reps}; "
+            "ratios are BI / stock. Decode rows: stock and recurrent run 1 token per sequence, the chunk mode "
+            f"{p} + 1 (the partial block it recomputes) unless the row says otherwise.", "")
+    if args.part == "forward":
+        forward_tables(rep, shapes, dev, args.reps)
+    else:
+        train_tables(rep, train, dev, reps_train)
 
 
 if __name__ == "__main__":

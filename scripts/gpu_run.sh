@@ -89,7 +89,10 @@ while [ $# -gt 0 ]; do
       python3 "$REPO/scripts/gpu_suite.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/suite.log" ;;
     bench)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
-      ( cd "$REPO/benchmarks" && python3 gdn_layer.py --out "$LOG/bench_gdn_layer.md" "${args[@]}" && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
+      # forward and train rows in separate processes (stock runs before the chunk mode pins fla-core's kernels)
+      ( cd "$REPO/benchmarks" && python3 gdn_layer.py --part forward --out "$LOG/bench_gdn_forward.md" "${args[@]}" \
+        && python3 gdn_layer.py --part train --out "$LOG/bench_gdn_train.md" "${args[@]}" \
+        && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

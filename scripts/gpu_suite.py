@@ -62,8 +62,6 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
     if prompts:
         argv += ["--prompts", prompts]
     env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn}
-    if tp > 1:
-        env["VLLM_BI_ALLOW_UNVERIFIED_TP"] = "1"
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 
 
@@ -78,8 +76,7 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         "parity-own": [_parity(f"parity own-ops {k}", m[k]) for k in ("qwen3.5", "qwen3-next", "qwen3.5-moe")],
         "parity-own-big": [_parity("parity own-ops qwen3.5 9b-dims", m["qwen3.5-9b"], max_tokens=16),
                            _parity("parity own-ops qwen3.5-moe moe-router", m["moe-router"], max_tokens=16)],
-        "control": [_parity("control: default CUDA ops qwen3.5", m["qwen3.5"], ops="vllm"),
-                    _parity("control: stock vLLM qwen3.5", m["qwen3.5"], stock=True),
+        "control": [_parity("control: stock vLLM qwen3.5", m["qwen3.5"], stock=True),
                     _parity("control: stock vLLM qwen3.5 9b-dims", m["qwen3.5-9b"], stock=True, max_tokens=16),
                     _parity("control: stock vLLM qwen3.5-moe", m["qwen3.5-moe"], stock=True)],
         "serve-own": [Job("P1-P3 own-ops qwen3.5", "serve", serve + ["--family", "qwen3.5", "--modes", "bi"],

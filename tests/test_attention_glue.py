@@ -50,9 +50,16 @@ def test_token_logprobs_is_the_op_library_log_softmax():
 
 def test_cuda_ops_switch(monkeypatch):
     monkeypatch.delenv("VLLM_BI_CUDA_OPS", raising=False)
+    assert own_ops_requested() is True  # the default: the trainer's ops
+    monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
     assert own_ops_requested() is False
-    monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm_bi")
-    assert own_ops_requested() is True
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "fast")
-    with pytest.raises(ValueError, match="choose 'vllm'"):
+    with pytest.raises(ValueError, match="choose 'vllm_bi'"):
         own_ops_requested()
+
+
+def test_a_server_on_vllms_own_kernels_is_a_settings_mismatch():
+    from vllm_bi.parity import settings_mismatch
+
+    assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi"}) is None
+    assert "VLLM_BI_CUDA_OPS=vllm" in settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm"})

@@ -42,8 +42,9 @@ def _cmd_info(args) -> int:
             print(f"{dist}: not found ({e})")
     from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
 
-    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): "
-          f"{os.environ.get('VLLM_BI_CUDA_OPS', 'vllm')}")
+    from vllm_bi.model_executor.cuda import cuda_ops_mode
+
+    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1

@@ -136,6 +136,10 @@ def settings_mismatch(info: dict) -> str | None:
     if info.get("gdn_mode") != gdn_mode():
         return (f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} "
                 "to the same value on both sides")
+    if info.get("ops", "vllm_bi") != "vllm_bi":
+        return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
+                "serving is batch-invariant, but the trainer's ops give other bits; restart it without "
+                "VLLM_BI_CUDA_OPS (default vllm_bi)")
     return None
 
 

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-__all__ = ["apply_cuda", "apply_cuda_own_ops", "own_ops_requested", "gemma_rms_forward_cuda", "gated_rms_forward_cuda"]
+__all__ = ["apply_cuda", "apply_cuda_own_ops", "cuda_ops_mode", "own_ops_requested", "gemma_rms_forward_cuda", "gated_rms_forward_cuda"]
 
 logger = logging.getLogger("vllm_bi")
 
@@ -56,25 +56,33 @@ def apply_cuda(patch, patched: list[str]) -> None:
     patch(RMSNormGated, "forward_cuda", gated_rms_forward_cuda)
 
 
-# --------------------------------------------------------------------------- the op library on CUDA (opt-in)
+# --------------------------------------------------------------------------- the op library on CUDA (default)
 
 CUDA_OPS_ENV = "VLLM_BI_CUDA_OPS"
 
 
-def own_ops_requested() -> bool:
-    """``VLLM_BI_CUDA_OPS=vllm_bi``: serve with vllm_bi's op library on CUDA too (the trainer's ops).
+def cuda_ops_mode() -> str:
+    """``VLLM_BI_CUDA_OPS``: which kernels a CUDA server runs under batch invariance.
 
-    Experimental: needed for trainer == server on GPU. Measured on an H200: serving batch-invariant
-    (P1-P3 exact); trainer == server not yet (5/768 before the fused q/k-norm + RoPE kernel was switched
-    off, which is not re-measured; ``docs/results/2026-11-29-h200-gpu-suite.md``). Default (``vllm``):
-    vLLM's own BI kernels for GEMMs, norms and attention, measured batch-invariant for serving on an H200.
+    ``vllm_bi`` (default): vllm_bi's op library, the trainer's ops, so the trainer's logprobs equal the
+    server's bit for bit. Measured on an H200: trainer == server on every model tested, 768/768 and 512/512
+    tokens (``docs/results/2026-11-29-h200-trainer-parity.md``); GEMMs accumulate in float64 (slower).
+    ``vllm``: vLLM's own batch-invariant kernels (GEMMs, norms, attention): batch-invariant serving, measured
+    on an H200, but the trainer cannot reproduce their bits (1/768 equal); ``vllm-bi parity`` and the RL
+    trainer refuse such a server.
     """
     import os
 
-    value = os.environ.get(CUDA_OPS_ENV, "vllm").strip().lower()
+    value = os.environ.get(CUDA_OPS_ENV, "vllm_bi").strip().lower() or "vllm_bi"
     if value not in ("vllm", "vllm_bi"):
-        raise ValueError(f"{CUDA_OPS_ENV}={value!r}: choose 'vllm' (default) or 'vllm_bi'")
-    return value == "vllm_bi"
+        raise ValueError(f"{CUDA_OPS_ENV}={value!r}: choose 'vllm_bi' (default: the trainer's ops) or 'vllm' "
+                         "(vLLM's own batch-invariant kernels: serving only, no trainer parity)")
+    return value
+
+
+def own_ops_requested() -> bool:
+    """True unless ``VLLM_BI_CUDA_OPS=vllm`` (see :func:`cuda_ops_mode`)."""
+    return cuda_ops_mode() == "vllm_bi"
 
 
 def _token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,13 @@ symbol                                          why / how
 ``UnquantizedLinearMethod`` / ``UnquantizedEmbeddingMethod`` (CPU)
                                                 oneDNN/sgl GEMMs are M-dependent and drop the weight.
                                                 -> keep the weight, ``ops.linear.bi_linear``.
-``RowParallelLinear.forward`` (CPU, TP > 1)     partial products rounded before the all-reduce differ from
+``RowParallelLinear.forward`` (TP > 1)          partial products rounded before the all-reduce differ from
                                                 TP = 1. -> exact float64 partials, gathered and added, one
                                                 rounding (TP = 2 == TP = 1 == trainer); also the MoE shared
                                                 expert's down projection (reduce_results=False).
 ``MoERunner._maybe_reduce_*`` (CPU, TP > 1)     the experts already hold exact full sums -> no all-reduce.
-                                                PP > 1, MoE + EP/SP and TP on CUDA are refused
+                                                PP > 1, MoE + EP/SP, MoE + TP on CUDA and TP with
+                                                VLLM_BI_CUDA_OPS=vllm are refused
                                                 (engine-config check).
 ``GemmaRMSNorm`` / ``RMSNorm`` / ``RMSNormGated`` (CPU)  -> ``ops.norm`` (row-wise reductions).
 ``SiluAndMul`` / ``RotaryEmbedding`` (CPU)      -> ``ops.activation`` / ``ops.rotary`` (same numbers as the
@@ -61,13 +62,14 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
                                                 -> vLLM's ``forward_native`` (BI ``mean``).
 ``GemmaRMSNorm.forward_cuda`` (CUDA)            vLLM IR ``rms_norm`` (provider picked at run time).
                                                 -> same formula with vLLM's BI ``mean``.
-``VLLM_BI_CUDA_OPS=vllm_bi`` (CUDA, opt-in)     the CPU routing above (linear, norms, SiLU-mul, rotary,
+``VLLM_BI_CUDA_OPS=vllm_bi`` (CUDA, default)   the CPU routing above (linear, norms, SiLU-mul, rotary,
                                                 logprobs incl. Model Runner V2's ``compute_token_logprobs``)
                                                 plus TRITON_ATTN's forward -> ``attention.bi_attn_forward``:
                                                 the trainer's ops on the server (needed for trainer ==
                                                 server on GPU), MoE (``cuda_moe``), the op-library aten
                                                 overrides on the CUDA key, no fused q/k-norm + RoPE kernel.
-                                                H200: serving P1-P3 exact; trainer == server not reached yet.
+                                                H200: trainer == server on every model tested.
+                                                ``VLLM_BI_CUDA_OPS=vllm``: vLLM's BI kernels (serving only).
 ``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
                                                 attention backend TRITON_ATTN when none is chosen (FA3
                                                 decode != prefill for ~500-token contexts on H200).
@@ -181,10 +183,13 @@ def _check_parallelism(config, platform) -> None:
     if tp == 1:
         return
     if not platform.is_cpu() and os.environ.get(UNVERIFIED_TP_ENV) != "1":
-        raise BatchInvarianceConfigError(
-            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) is verified on CPU only so far; "
-            f"use --tensor-parallel-size 1 on GPU or unset VLLM_BATCH_INVARIANT ({UNVERIFIED_TP_ENV}=1 runs it "
-            "unverified, for measuring).")
+        from vllm_bi.model_executor.cuda import own_ops_requested
+
+        if not own_ops_requested():  # vLLM's own kernels and NCCL's all-reduce order: never measured
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) on GPU is verified with vllm_bi's op "
+                "library only; unset VLLM_BI_CUDA_OPS (default vllm_bi) or use --tensor-parallel-size 1 "
+                f"({UNVERIFIED_TP_ENV}=1 runs it unverified, for measuring).")
     if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
@@ -616,7 +621,14 @@ def _worker_info(self) -> dict:
     from vllm_bi import __version__
     from vllm_bi.attention.gdn_chunk import CHUNK
 
-    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK}
+    from vllm.platforms import current_platform
+
+    ops = "vllm_bi"  # CPU: always the op library
+    if current_platform.is_cuda():
+        from vllm_bi.model_executor.cuda import cuda_ops_mode
+
+        ops = cuda_ops_mode()
+    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops}
 
 
 def _patch_worker_rpc() -> None:
