@@ -13,7 +13,7 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   - recurrent / chunk kernel: vllm_bi's recurrence alone on the same q/k/v/g/beta
     (``gdn_recurrent_varlen``: fla-core fused recurrent; ``gdn_chunk_varlen``: fla-core chunked, two launches,
     pinned configs), explicit fp32 states;
-  - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: per-sequence conv in torch +
+  - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: the packed conv in torch +
     gating + the recurrence);
   - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
     ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.

@@ -70,3 +70,53 @@ def test_server_glue_matches_per_sequence_reference(dim_first):
     assert o1.abs().sum() > 0
     assert torch.equal(o1, o2)
     assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(l1.kv_cache[1], l2.kv_cache[1])
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_chunk_glue_resumes_exactly(dim_first):
+    """Chunk-aligned mode: three requests served over four scheduler steps (prefills split at unaligned
+    offsets, decodes across a 64-token boundary, from a widened conv-state slot holding the raw inputs since
+    the boundary) give exactly the outputs of the trainer's call, ``gdn_varlen(mode="chunk")`` over the
+    whole sequences from zero states."""
+    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.attention.gdn_recurrent import gdn_varlen
+
+    R = CHUNK - 1 + W - 1
+    total = [150, 71, 6]
+    steps = [[40, 70, 5], [60, 1, 1], [49, 0, 0], [1, 0, 0]]  # tokens of each request per step
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, D, generator=gen).bfloat16() for n in total]
+    as_ = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
+    bs = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
+    layer = mk(dim_first)
+    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
+    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))  # garbage: new requests must ignore it
+    slot = [4, 0, 2]
+    done = [0, 0, 0]
+    outs = [[], [], []]
+    for step in steps:
+        reqs = [i for i in range(3) if step[i]]
+        qsl = [0]
+        for i in reqs:
+            qsl.append(qsl[-1] + step[i])
+        step_md = types.SimpleNamespace(
+            num_actual_tokens=qsl[-1], num_spec_decodes=0, spec_sequence_masks=None,
+            non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
+            num_decodes=0, num_prefills=len(reqs), has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
+            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]))
+        cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
+        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
+        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
+                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="chunk"):
+            G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
+        for j, i in enumerate(reqs):
+            outs[i].append(o[qsl[j] : qsl[j + 1]])
+            done[i] += step[i]
+    assert done == total
+    cu = [0, *torch.tensor(total).cumsum(0).tolist()]
+    w = layer.conv1d.weight.reshape(D, W)
+    ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(3)], w,
+                           torch.zeros(3, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
+                           layer.dt_bias, torch.zeros(3, HV, V, K), H, K, V, mode="chunk")
+    for i in range(3):
+        assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"

@@ -7,7 +7,8 @@ Tolerance vs the float64 reference: 2e-4 absolute on fp32 outputs of unit scale
 import torch
 
 from vllm_bi.attention.gdn_naive import naive_causal_conv1d, naive_gdn
-from vllm_bi.attention.gdn_recurrent import causal_conv1d, gdn_gating, gdn_recurrent
+from vllm_bi.attention.gdn_recurrent import causal_conv1d, causal_conv1d_varlen, gdn_gating, gdn_recurrent
+from vllm_bi.ops import pointwise
 
 torch.manual_seed(0)
 T, H, HV, K, V = 200, 1, 2, 128, 128
@@ -76,6 +77,34 @@ def test_causal_conv1d_reference_and_split():
     y1, s1 = causal_conv1d(x[:17], w, st0)
     y2, s2 = causal_conv1d(x[17:], w, s1)
     assert torch.equal(torch.cat([y1, y2]), y) and torch.equal(s2, st)
+
+
+def _conv_per_token(x, w, st0):
+    """The conv written out per sequence (the pre-varlen implementation): fp32 taps added in order w = 0..W-1."""
+    W = w.shape[-1]
+    xe = torch.cat([st0.to(x.dtype), x]).float()
+    acc = xe[0 : x.shape[0]] * w.float()[:, 0]
+    for j in range(1, W):
+        acc = acc + xe[j : j + x.shape[0]] * w.float()[:, j]
+    return pointwise.silu(acc).to(x.dtype), xe[-(W - 1) :].to(x.dtype)
+
+
+def test_causal_conv1d_varlen_is_per_sequence_exact():
+    """Packed sequences (one gather per tap, no loop) give every sequence the bits it gets alone and the bits
+    of the per-sequence formula; also with sequences shorter than the conv window."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [5, 1, 70, 2, 3]
+    x = torch.randn(sum(lens), 96, generator=gen).bfloat16()
+    w = torch.randn(96, 4, generator=gen).bfloat16()
+    states = torch.randn(len(lens), 3, 96, generator=gen).bfloat16()
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    y, new = causal_conv1d_varlen(x, cu, w, states)
+    for j in range(len(lens)):
+        s, e = cu[j], cu[j + 1]
+        y1, st1 = causal_conv1d(x[s:e], w, states[j])
+        ref_y, ref_st = _conv_per_token(x[s:e], w, states[j])
+        assert torch.equal(y[s:e], y1) and torch.equal(new[j], st1), f"sequence {j} depends on the batch"
+        assert torch.equal(y1, ref_y) and torch.equal(st1, ref_st), f"sequence {j} differs from the formula"
 
 
 def test_gradients_match_float64_reference():

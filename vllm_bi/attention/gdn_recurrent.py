@@ -40,6 +40,7 @@ from vllm_bi.ops.reduce import row_sum
 
 __all__ = [
     "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen", "causal_conv1d",
+    "causal_conv1d_varlen", "rows_of",
     "gdn_sequence", "gdn_varlen",
 ]
 
@@ -264,26 +265,64 @@ def gdn_recurrent_varlen(
 def causal_conv1d(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv of one sequence, continuing from ``conv_state``.
+    """Depthwise causal conv of one sequence, continuing from ``conv_state``: :func:`causal_conv1d_varlen`
+    with one sequence. ``x: [T, D]``, ``weight: [D, W]``, ``conv_state: [W-1, D]``; returns
+    ``(y [T, D], new_state [W-1, D])``."""
+    y, st = causal_conv1d_varlen(x, [0, x.shape[0]], weight, conv_state.unsqueeze(0), activation)
+    return y, st[0]
 
-    ``x: [T, D]`` (model dtype), ``weight: [D, W]``, ``conv_state: [W-1, D]``
-    (the previous W-1 raw inputs, zeros for a new sequence). Each output is
-    ``act(sum_j weight[:, j] * x_ext[t + j])`` accumulated in fp32 in the fixed
-    order j = 0..W-1, rounded to x.dtype. Returns ``(y [T, D], new_state [W-1, D])``.
+
+def rows_of(ranges: list[tuple[int, int]], device) -> torch.Tensor:
+    """The row indices ``s..e-1`` of every range, concatenated (one host-built tensor, one copy)."""
+    lens = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
+    starts = torch.tensor([s for s, _ in ranges], dtype=torch.long)
+    offsets = lens.cumsum(0) - lens
+    rows = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - offsets, lens)
+    return rows.to(device)
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    cu_seqlens: list[int],
+    weight: torch.Tensor,
+    conv_states: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of packed sequences, each continuing from its conv state.
+
+    ``x: [T, D]`` (model dtype), sequence ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``; ``weight: [D, W]``;
+    ``conv_states: [N, W-1, D]`` (each sequence's previous W-1 raw inputs, zeros for a new one). With
+    ``ext_j = [conv_state_j; x_j]``, each output is ``act(sum_w weight[:, w] * ext_j[t + w])`` accumulated in
+    fp32 in the fixed order w = 0..W-1, rounded to x.dtype: elementwise per token, so no sequence's numbers
+    depend on the others. Every tap is one gather over the packed batch (no per-sequence loop).
+    Returns ``(y [T, D], new conv states [N, W-1, D])`` (the last W-1 rows of each ``ext_j``).
     """
     W = weight.shape[-1]
-    x_ext = torch.cat([conv_state.to(x.dtype), x], dim=0)
-    T = x.shape[0]
+    N = len(cu_seqlens) - 1
+    T, D = x.shape
+    cu = torch.tensor([int(c) for c in cu_seqlens], dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    # src = [all conv states; x]; ext_j[i] is src[j*(W-1) + i] for i < W-1, else src[N*(W-1) + cu_j + i - (W-1)]
+    src = torch.cat([conv_states.to(x.dtype).reshape(N * (W - 1), D), x])
+    seq = torch.repeat_interleave(torch.arange(N), lens)
+
+    def ext_index(j, i):
+        return torch.where(i < W - 1, j * (W - 1) + i, N * (W - 1) + cu[j] + i - (W - 1))
+
+    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
+    last = torch.arange(W - 1).repeat(N) + torch.repeat_interleave(lens, W - 1)  # ext rows len_j .. len_j+W-2
+    idx = torch.cat([ext_index(seq, pos + w) for w in range(W)] + [ext_index(torch.arange(N).repeat_interleave(W - 1), last)])
+    idx = idx.to(x.device)
+    xe = src.float()
     w32 = weight.float()
-    xe = x_ext.float()
-    acc = xe[0:T] * w32[:, 0]
-    for j in range(1, W):
-        acc = acc + xe[j : j + T] * w32[:, j]
+    acc = xe[idx[0:T]] * w32[:, 0]
+    for w in range(1, W):
+        acc = acc + xe[idx[w * T : (w + 1) * T]] * w32[:, w]
     if activation in ("silu", "swish"):
         acc = pointwise.silu(acc)
     elif activation is not None:
         raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
-    return acc.to(x.dtype), x_ext[-(W - 1) :].clone()
+    return acc.to(x.dtype), src[idx[W * T :]].reshape(N, W - 1, D)
 
 
 def gdn_sequence(
@@ -347,27 +386,24 @@ def gdn_varlen(
     Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``.
     """
     key_dim = num_k_heads * head_k_dim
-    xs, new_conv = [], []
-    for j, (s, e) in enumerate(ranges):
-        x, cs = causal_conv1d(mixed_qkv[s:e], conv_weight, conv_states[j], activation)
-        xs.append(x)
-        new_conv.append(cs)
-    x = torch.cat(xs)
-    rows = torch.cat([torch.arange(s, e, device=a.device) for s, e in ranges])
+    cu = [0]
+    for s, e in ranges:
+        cu.append(cu[-1] + (e - s))
+    rows = rows_of(ranges, a.device)
+    contiguous = all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1))
+    packed = mixed_qkv[ranges[0][0] : ranges[-1][1]] if contiguous else mixed_qkv[rows]
+    x, new_conv = causal_conv1d_varlen(packed, cu, conv_weight, conv_states, activation)
     T = x.shape[0]
     q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a[rows], b[rows], dt_bias)
-    cu = [0]
-    for s, e in ranges:
-        cu.append(cu[-1] + (e - s))
     if mode == "chunk":
         from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
 
         o, finals = gdn_chunk_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
-        return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], torch.stack(new_conv), finals
+        return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], new_conv, finals
     if mode != "recurrent":
         raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
     o, finals = gdn_recurrent_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
-    return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], torch.stack(new_conv), finals
+    return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], new_conv, finals

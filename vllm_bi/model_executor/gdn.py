@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
-from vllm_bi.attention.gdn_recurrent import gdn_varlen
+from vllm_bi.attention.gdn_recurrent import gdn_varlen, rows_of
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
@@ -139,8 +139,7 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
         layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
     )
-    for j, (s, e) in enumerate(ranges):
-        out[s:e] = o[j].to(out.dtype)
+    out[rows_of(ranges, out.device)] = torch.cat(o).to(out.dtype)
     ssm_cache[slot_t] = new_states
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
@@ -157,33 +156,42 @@ def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slo
     (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
-    hist_rows = hist.shape[1]
+    N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
     raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
-    rows, conv0, rng, keep, new_hist = [], [], [], [], []
-    offset = 0
-    for j, ((s, e), start) in enumerate(zip(ranges, starts)):
-        ext = torch.cat([hist[j], raw_new[s:e].to(hist.dtype)])  # raw rows of positions start - hist_rows .. e - 1
-        p = start % CHUNK
-        first = hist_rows - p  # row of the block boundary
-        conv0.append(ext[first - (W - 1) : first, :D])
-        rng.append((offset, offset + p + (e - s)))
-        offset += p + (e - s)
-        rows.append(ext[first:])
-        keep.append(p)
-        new_hist.append(ext[-hist_rows:])
-    blk = torch.cat(rows)
+    # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw_new] in one index each
+    src = torch.cat([hist.reshape(N * R, hist.shape[2]), raw_new.to(hist.dtype)])
+    n = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
+    first = R - torch.tensor(starts, dtype=torch.long) % CHUNK  # ext row of each request's block boundary
+    s0 = torch.tensor([s for s, _ in ranges], dtype=torch.long)
+
+    def ext_rows(req: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return torch.where(i < R, req * R + i, N * R + s0[req] + i - R)
+
+    def spans(lo: torch.Tensor, length: torch.Tensor) -> torch.Tensor:  # ext rows lo_j .. lo_j+len_j-1, packed
+        req = torch.repeat_interleave(torch.arange(N), length)
+        off = torch.arange(int(length.sum())) - torch.repeat_interleave(length.cumsum(0) - length, length)
+        return ext_rows(req, lo[req] + off)
+
+    blk_len = R - first + n  # the partial block's cached rows, then the new ones
+    idx = torch.cat([spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R))])
+    idx = idx.to(src.device)
+    k1, k2 = N * (W - 1), N * (W - 1) + int(blk_len.sum())
+    conv0 = src[idx[:k1], :D].reshape(N, W - 1, D)
+    blk = src[idx[k1:k2]]
+    new_hist = src[idx[k2:]].reshape(N, R, -1)
+    bounds = [0, *blk_len.cumsum(0).tolist()]
+    rng = [(bounds[j], bounds[j + 1]) for j in range(N)]
     o, _, finals = gdn_varlen(
-        blk[:, :D], rng, weight, torch.stack(conv0), layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
+        blk[:, :D], rng, weight, conv0, layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
         layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
         layer.activation, mode="chunk",
     )
-    for j, (s, e) in enumerate(ranges):
-        out[s:e] = o[j][keep[j] :].to(out.dtype)
+    keep = (R - first).tolist()
+    out[rows_of(ranges, out.device)] = torch.cat([o[j][keep[j] :] for j in range(N)]).to(out.dtype)
     ssm_cache[slot_t] = finals
-    hist_out = torch.stack(new_hist)
     if dim_first:
-        hist_out = hist_out.transpose(1, 2)
-    conv_cache[slot_t] = hist_out.to(conv_cache.dtype)
+        new_hist = new_hist.transpose(1, 2)
+    conv_cache[slot_t] = new_hist.to(conv_cache.dtype)
 
 
 def chunk_state_shape(orig):
