@@ -1,4 +1,5 @@
-"""Benchmark: vllm_bi's batch-invariant GEMM (``ops.linear.bi_linear``: exact float64 accumulation) against
+"""Benchmark: vllm_bi's batch-invariant GEMMs (``ops.linear.bi_linear``: exact float64 accumulation, and the
+experimental ``VLLM_BI_GEMM=triton`` mode: vLLM's batch-invariant Triton persistent matmul in bf16) against
 cuBLAS bf16 ``torch.mm`` on Qwen3.5-9B-like linear shapes, for M = tokens in the batch.
 
     python benchmarks/bi_gemm.py [--out results.md]
@@ -10,11 +11,13 @@ weight to float64 on every call (what the op does today); "fp64 mm, weight pre-c
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
 from common import emit, timed
 
+from vllm_bi.ops import linear
 from vllm_bi.ops.linear import bi_linear
 
 SHAPES = [  # (name, K, N)
@@ -30,8 +33,14 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table to this file")
     args = ap.parse_args()
     dev = "cuda"
-    rows = ["| shape | M | cuBLAS bf16 (ms) | bi_linear (ms) | ratio | fp64 mm, weight pre-cast (ms) | ratio |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def bi_triton(x, w):
+        return linear._PersistentLinear.apply(x, w, None)  # VLLM_BI_GEMM=triton's kernel
+
+    rows = ["| shape | M | cuBLAS bf16 (ms) | bi_linear fp64 (ms) | ratio | fp64 mm, weight pre-cast (ms) | ratio | "
+            "triton persistent (ms) | ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    os.environ.pop("VLLM_BI_GEMM", None)  # bi_linear below is the default float64 GEMM
     for name, K, N in SHAPES:
         w = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
         w64 = w.double()
@@ -40,7 +49,9 @@ def main() -> None:
             t_ref = timed(lambda: torch.mm(x, w.t()))
             t_bi = timed(lambda: bi_linear(x, w))
             t_64 = timed(lambda: torch.mm(x.double(), w64.t()).to(torch.bfloat16))
-            rows.append(f"| {name} | {M} | {t_ref:.3f} | {t_bi:.3f} | {t_bi / t_ref:.1f}x | {t_64:.3f} | {t_64 / t_ref:.1f}x |")
+            t_tr = timed(lambda: bi_triton(x, w))
+            rows.append(f"| {name} | {M} | {t_ref:.3f} | {t_bi:.3f} | {t_bi / t_ref:.1f}x | {t_64:.3f} | {t_64 / t_ref:.1f}x | "
+                        f"{t_tr:.3f} | {t_tr / t_ref:.1f}x |")
             print(rows[-1], flush=True)
     head = (f"device {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n")
     table = head + "\n".join(rows) + "\n"

@@ -44,7 +44,10 @@ def _cmd_info(args) -> int:
 
     from vllm_bi.model_executor.cuda import cuda_ops_mode
 
-    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}")
+    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+
+    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}; "
+          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1

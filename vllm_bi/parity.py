@@ -136,6 +136,11 @@ def settings_mismatch(info: dict) -> str | None:
     if info.get("gdn_mode") != gdn_mode():
         return (f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} "
                 "to the same value on both sides")
+    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+
+    if info.get("gemm", "fp64") != gemm_mode():
+        return (f"the server's GEMMs run in mode {info.get('gemm')!r}, this trainer's in {gemm_mode()!r}; set "
+                f"{GEMM_ENV} to the same value on both sides")
     if info.get("ops", "vllm_bi") != "vllm_bi":
         return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
                 "serving is batch-invariant, but the trainer's ops give other bits; restart it without "

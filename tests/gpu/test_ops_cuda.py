@@ -28,6 +28,21 @@ def _rows(n, d, seed=0, dtype=torch.bfloat16):
     return torch.randn(n, d, generator=g).to(dtype)
 
 
+@pytest.mark.parametrize("N,K", [(4096, 4096), (24576, 4096), (4096, 12288)])
+def test_triton_gemm_mode_is_invariant_and_close(N, K, monkeypatch):
+    """VLLM_BI_GEMM=triton (vLLM's persistent matmul, bf16): row 0 and row 2 have the same bits for every M
+    (1 .. 8192, across vLLM's M buckets), and are within bf16 rounding of the exact product (2e-2 relative
+    to the row's max)."""
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    x, w = _rows(8192, K).to(DEV), (_rows(N, K, 1) * 0.02).to(DEV)
+    ref = bi_linear(x[:3], w)
+    for m in (1, 3, 16, 64, 257, 1024, 4096, 8192):
+        y = bi_linear(x[:m], w)
+        assert torch.equal(y[: min(m, 3)], ref[: min(m, 3)]), f"M={m}: rows depend on the batch size"
+    exact = x[:3].double() @ w.double().t()
+    assert ((ref.double() - exact).abs().max() / exact.abs().max()).item() < 2e-2
+
+
 def test_bi_linear_is_invariant_and_equals_cpu():
     x, w = _rows(4096, 4096), _rows(4096, 4096, 1) * 0.02
     xc, wc = x.to(DEV), w.to(DEV)

@@ -628,7 +628,9 @@ def _worker_info(self) -> dict:
         from vllm_bi.model_executor.cuda import cuda_ops_mode
 
         ops = cuda_ops_mode()
-    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops}
+    from vllm_bi.ops.linear import gemm_mode
+
+    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode()}
 
 
 def _patch_worker_rpc() -> None:

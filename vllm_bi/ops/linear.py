@@ -10,15 +10,59 @@ is then rounded once to the output dtype. (fp32 operands: products are exact,
 sums are within one float64 ulp of exact, and the single rounding to fp32
 hides that except on an exact rounding tie.)
 
-CUDA: not implemented yet in vllm_bi; the server uses vLLM's own batch-invariant
-persistent matmul on GPU.
+On CUDA the float64 GEMM costs 12-13x cuBLAS bf16 at large M (the H200's fp64/bf16 tensor throughput
+ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (experimental, CUDA, not yet
+measured) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
+(fixed tiles, no split-K, one shape-wide BLOCK_K: a row's bits cannot depend on M). Server and trainer then
+share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``vllm-bi parity`` checks it).
+Products asked for in another output dtype (the fp32 lm_head, the float64 tensor-parallel partials) stay in
+float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["bi_linear", "bi_mm", "bi_bmm"]
+__all__ = ["GEMM_ENV", "gemm_mode", "bi_linear", "bi_mm", "bi_bmm"]
+
+GEMM_ENV = "VLLM_BI_GEMM"
+
+
+def gemm_mode() -> str:
+    """``VLLM_BI_GEMM``: ``fp64`` (default: exact float64 accumulation) or ``triton`` (CUDA bf16/fp16 GEMMs
+    through vLLM's batch-invariant persistent matmul; experimental). Server and trainer must agree."""
+    import os
+
+    mode = os.environ.get(GEMM_ENV, "fp64").strip().lower() or "fp64"
+    if mode not in ("fp64", "triton"):
+        raise ValueError(f"{GEMM_ENV}={mode!r}: choose 'fp64' (default, exact) or 'triton' (CUDA, experimental)")
+    return mode
+
+
+class _PersistentLinear(torch.autograd.Function):
+    """``x @ weight.T (+ bias)`` by vLLM's batch-invariant Triton persistent matmul (the forward the server and
+    the trainer share); the backward is plain ``torch.mm`` in fp32 (gradients need no bit parity)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _persistent_mm(x, weight.t(), bias)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        g = gy.float()
+        gx = torch.mm(g, weight.float()).to(x.dtype)
+        gw = torch.mm(g.t(), x.float()).to(weight.dtype)
+        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return gx, gw, gb
+
+
+def _persistent_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    from vllm.model_executor.determinism.batch_invariant import matmul_persistent
+
+    return matmul_persistent(a, b, bias)
 
 
 def _check_device(*ts: torch.Tensor) -> None:
@@ -39,6 +83,10 @@ def bi_linear(
     _check_device(x, weight, bias)
     out_dtype = out_dtype or x.dtype
     lead = x.shape[:-1]
+    if (x.is_cuda and out_dtype == x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+            and (bias is None or bias.dtype == x.dtype) and gemm_mode() == "triton"):
+        y = _PersistentLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
+        return y.reshape(*lead, weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float64)
     y = torch.mm(x2, weight.to(torch.float64).t())
     if bias is not None:

@@ -1,0 +1,64 @@
+"""``VLLM_BI_GEMM``: the exact float64 GEMM (default) and the experimental Triton-persistent mode's plumbing.
+
+The Triton kernel itself needs CUDA (``tests/gpu/test_ops_cuda.py`` checks its M-invariance there). Here:
+the mode switch, that CPU tensors keep the float64 GEMM whatever the mode, and the autograd wrapper with a
+stand-in kernel (fp32 torch.mm): forward = the kernel's result, gradients vs float64 autograd within 1e-2
+relative L2 (bf16 inputs).
+"""
+
+import pytest
+import torch
+
+from vllm_bi.ops import linear
+from vllm_bi.ops.linear import bi_linear, gemm_mode
+from vllm_bi.parity import settings_mismatch
+
+
+def test_mode_switch(monkeypatch):
+    monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
+    assert gemm_mode() == "fp64"
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    assert gemm_mode() == "triton"
+    monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
+    with pytest.raises(ValueError, match="choose 'fp64'"):
+        gemm_mode()
+
+
+def test_cpu_keeps_the_float64_gemm(monkeypatch):
+    x, w = torch.randn(7, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
+    ref = bi_linear(x, w)
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    monkeypatch.setattr(linear, "_persistent_mm", lambda *a: pytest.fail("Triton GEMM called for CPU tensors"))
+    assert torch.equal(bi_linear(x, w), ref)
+
+
+def test_persistent_wrapper_forward_and_gradients(monkeypatch):
+    calls = []
+
+    def fake(a, b, bias):
+        calls.append((a.shape, b.shape))
+        y = torch.mm(a.float(), b.float())
+        return (y if bias is None else y + bias.float()).to(a.dtype)
+
+    monkeypatch.setattr(linear, "_persistent_mm", fake)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 48, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(24, 48, generator=gen).bfloat16().requires_grad_(True)
+    bias = torch.randn(24, generator=gen).bfloat16().requires_grad_(True)
+    y = linear._PersistentLinear.apply(x, w, bias)
+    assert calls == [(torch.Size([9, 48]), torch.Size([48, 24]))]
+    assert torch.equal(y, fake(x.detach(), w.detach().t(), bias.detach()))
+    gy = torch.randn(9, 24, generator=gen)
+    y.float().backward(gy)
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, bias))
+    (torch.nn.functional.linear(x64, w64, b64) * gy.double()).sum().backward()
+    for mine, ref in ((x.grad, x64.grad), (w.grad, w64.grad), (bias.grad, b64.grad)):
+        rel = ((mine.double() - ref).norm() / ref.norm()).item()
+        assert rel < 1e-2, rel
+
+
+def test_a_gemm_mode_mismatch_is_refused(monkeypatch):
+    monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
+    assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "gemm": "fp64"}) is None
+    assert "VLLM_BI_GEMM" in settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "gemm": "triton"})
