@@ -44,6 +44,13 @@ def test_tp_on_cuda_with_the_op_library_only(monkeypatch):
         _check_parallelism(_config(tp=2, experts=8), CUDA)
 
 
+def test_tp_with_the_triton_gemm_refused(monkeypatch):
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    with pytest.raises(BatchInvarianceConfigError, match="exact float64 GEMM"):
+        _check_parallelism(_config(tp=2), CPU)
+    _check_parallelism(_config(tp=1), CPU)
+
+
 def test_moe_with_expert_parallel_refused_on_cpu():
     _check_parallelism(_config(tp=2, experts=8), CPU)
     with pytest.raises(BatchInvarianceConfigError, match="MoE"):

@@ -194,6 +194,12 @@ def _check_parallelism(config, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
             "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
+    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+
+    if gemm_mode() != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM
+        raise BatchInvarianceConfigError(  # would be the Triton one: other bits
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) needs the exact float64 GEMM; unset "
+            f"{GEMM_ENV} (it is {gemm_mode()!r}) or use --tensor-parallel-size 1.")
     hf = config.model_config.hf_text_config
     gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
     uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}

@@ -15,8 +15,8 @@ ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (ex
 measured) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
 (fixed tiles, no split-K, one shape-wide BLOCK_K: a row's bits cannot depend on M). Server and trainer then
 share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``vllm-bi parity`` checks it).
-Products asked for in another output dtype (the fp32 lm_head, the float64 tensor-parallel partials) stay in
-float64.
+Products asked for in another output dtype (the fp32 lm_head) stay in float64; tensor parallelism is refused
+in this mode (its row-parallel partials are float64 sums, the trainer's unsharded GEMM would not be).
 """
 
 from __future__ import annotations
