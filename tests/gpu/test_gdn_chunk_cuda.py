@@ -11,6 +11,7 @@ Run on a GPU machine: `pytest -m gpu tests/gpu` (skipped without CUDA or fla-cor
 
 import pytest
 import torch
+from gpu_env import GDN_H, GDN_HV, GDN_K, GDN_V, gdn_gate_params, gdn_run, gdn_seq
 
 pytestmark = pytest.mark.gpu
 
@@ -23,30 +24,13 @@ from vllm_bi.attention.gdn_naive import naive_gdn  # noqa: E402
 from vllm_bi.attention.gdn_recurrent import gdn_gating  # noqa: E402
 
 DEV = "cuda"
-H, HV, K, V = 4, 8, 128, 128
-A_LOG = torch.log(torch.linspace(1, 16, HV))
-DT_BIAS = torch.linspace(-0.5, 0.5, HV)
-
-
-def _seq(T, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(T, H, K, generator=g).bfloat16()
-    k = torch.randn(T, H, K, generator=g).bfloat16()
-    v = torch.randn(T, HV, V, generator=g).bfloat16()
-    a, b = torch.randn(T, HV, generator=g), torch.randn(T, HV, generator=g)
-    return q, k, v, a, b
+H, HV, K, V = GDN_H, GDN_HV, GDN_K, GDN_V
+A_LOG, DT_BIAS = gdn_gate_params()
+_seq = gdn_seq
 
 
 def _run(seqs, states=None):
-    q, k, v, a, b = (torch.cat([s[i] for s in seqs]).to(DEV) for i in range(5))
-    cu = [0]
-    for s in seqs:
-        cu.append(cu[-1] + s[0].shape[0])
-    g, beta = gdn_gating(A_LOG.to(DEV), a, b, DT_BIAS.to(DEV))
-    if states is None:
-        states = torch.zeros(len(seqs), HV, V, K, device=DEV)
-    o, bound = gdn_chunk_varlen(q, k, v, g, beta, states, cu)
-    return o, bound, cu
+    return gdn_run(gdn_chunk_varlen, seqs, states)
 
 
 def _rows(s, lo, hi):

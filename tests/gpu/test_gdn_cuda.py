@@ -7,6 +7,7 @@ Tolerances: outputs vs float64 reference 3e-2 absolute (bf16 q/k/v), gradients r
 
 import pytest
 import torch
+from gpu_env import GDN_H, GDN_HV, GDN_K, GDN_V, gdn_gate_params, gdn_run, gdn_seq
 
 pytestmark = pytest.mark.gpu
 
@@ -18,32 +19,13 @@ from vllm_bi.attention.gdn_naive import naive_gdn  # noqa: E402
 from vllm_bi.attention.gdn_recurrent import gdn_gating, gdn_recurrent_varlen  # noqa: E402
 
 DEV = "cuda"
-H, HV, K, V = 4, 8, 128, 128
-
-
-def _seq(T, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = torch.randn(T, H, K, generator=g).bfloat16()
-    k = torch.randn(T, H, K, generator=g).bfloat16()
-    v = torch.randn(T, HV, V, generator=g).bfloat16()
-    a, b = torch.randn(T, HV, generator=g), torch.randn(T, HV, generator=g)
-    return q, k, v, a, b
-
-
-A_LOG = torch.log(torch.linspace(1, 16, HV))
-DT_BIAS = torch.linspace(-0.5, 0.5, HV)
+H, HV, K, V = GDN_H, GDN_HV, GDN_K, GDN_V
+A_LOG, DT_BIAS = gdn_gate_params()
+_seq = gdn_seq
 
 
 def _run(seqs, states=None):
-    q, k, v, a, b = (torch.cat([s[i] for s in seqs]) for i in range(5))
-    cu = [0]
-    for s in seqs:
-        cu.append(cu[-1] + s[0].shape[0])
-    g, beta = gdn_gating(A_LOG.to(DEV), a.to(DEV), b.to(DEV), DT_BIAS.to(DEV))
-    if states is None:
-        states = torch.zeros(len(seqs), HV, V, K, device=DEV)
-    o, ht = gdn_recurrent_varlen(q.to(DEV), k.to(DEV), v.to(DEV), g, beta, states, cu)
-    return o, ht, cu
+    return gdn_run(gdn_recurrent_varlen, seqs, states)
 
 
 def test_batch_invariant_split_exact_and_decode_exact():
