@@ -6,7 +6,7 @@
     vllm-bi plot         PNG curves of a trainer run (python -m vllm_bi.trainer) from its metrics.jsonl
     vllm-bi diag         where server and trainer part: each decoder sub-module compared exactly
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
-    vllm-bi info         versions, and whether the plugin is installed where vLLM finds it
+    vllm-bi info         versions, the GDN / CUDA-op / GEMM modes, and whether vLLM finds the plugin
 """
 
 from __future__ import annotations
@@ -185,7 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample from a batch-invariant server and check the trainer's logprobs equal the server's bit for bit",
         description="Sample completions from a VLLM_BATCH_INVARIANT=1 server (started here unless --server is "
         "given), recompute every sampled token's logprob with the trainer model, print a table. "
-        "Exit status 0 only when every token is bitwise equal.",
+        "Exit status 0 only when every token is bitwise equal; 1 when some differ; 2 when the server's vllm_bi "
+        "settings (GDN mode VLLM_BI_GDN_MODE, GEMM mode VLLM_BI_GEMM, CUDA op mode VLLM_BI_CUDA_OPS) make "
+        "equality impossible, before sampling.",
     )
     pa.add_argument("--model", required=True, help="local HF checkpoint directory (served and loaded by the trainer)")
     pa.add_argument("--server", default=None, help="URL of a running BI server serving --model (default: start one)")
