@@ -41,9 +41,7 @@ def _cmd_info(args) -> int:
         except Exception as e:  # noqa: BLE001
             print(f"{dist}: not found ({e})")
     from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-
     from vllm_bi.model_executor.cuda import cuda_ops_mode
-
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
 
     print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}; "

@@ -132,12 +132,11 @@ class SettingsMismatch(RuntimeError):
 def settings_mismatch(info: dict) -> str | None:
     """Why a trainer in this process cannot reproduce a server whose ``vllm_bi_info`` is ``info``; None if it can."""
     from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
 
     if info.get("gdn_mode") != gdn_mode():
         return (f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} "
                 "to the same value on both sides")
-    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
-
     if info.get("gemm", "fp64") != gemm_mode():
         return (f"the server's GEMMs run in mode {info.get('gemm')!r}, this trainer's in {gemm_mode()!r}; set "
                 f"{GEMM_ENV} to the same value on both sides")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import heads_qk
+from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, heads_qk, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
@@ -170,8 +170,6 @@ def gdn_chunk_varlen(
 
 
 def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
-    from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule
-
     pin_fla_chunk_configs()
     C, dev = CHUNK, q.device
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -182,11 +180,8 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
 
     def launch(seqs, lo, hi, h0):
         # rows [lo(i), hi(i)) of each sequence i in seqs, packed, through one fla-core chunked launch
-        lens = torch.tensor([hi(i) - lo(i) for i in seqs])
-        ends = lens.cumsum(0)
-        starts = torch.tensor([lo(i) for i in seqs])
-        rows = (torch.arange(int(ends[-1])) + torch.repeat_interleave(starts - (ends - lens), lens)).to(dev)
-        cut = torch.cat([torch.zeros(1, dtype=torch.long), ends]).to(dev)
+        rows = rows_of([(lo(i), hi(i)) for i in seqs], dev)
+        cut = torch.tensor([0, *torch.tensor([hi(i) - lo(i) for i in seqs]).cumsum(0).tolist()], device=dev)
         o_part, ht = FLAGatedDeltaRule.apply(
             "chunk", q[rows].unsqueeze(0), k[rows].unsqueeze(0), v[rows].unsqueeze(0),
             g[rows].to(torch.promote_types(g.dtype, torch.float32)).unsqueeze(0), beta[rows].unsqueeze(0),

@@ -399,11 +399,10 @@ def gdn_varlen(
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a[rows], b[rows], dt_bias)
     if mode == "chunk":
-        from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
-
-        o, finals = gdn_chunk_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
-        return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], new_conv, finals
-    if mode != "recurrent":
+        from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen as core
+    elif mode == "recurrent":
+        core = gdn_recurrent_varlen
+    else:
         raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
-    o, finals = gdn_recurrent_varlen(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
+    o, finals = core(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
     return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], new_conv, finals
