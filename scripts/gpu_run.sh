@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
-#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS, bi_gemm.py)
+#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS, bi_gemm.py),
+#                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
 # installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
 # warm machine. vllm_bi itself is used from this checkout (PYTHONPATH) and made visible to vLLM's
 # plugin loader by a hand-written vllm_bi.dist-info with the `vllm.general_plugins` entry point.
-# Logs go to $OUT when set (the device tool's output folder).
+# Logs go to $OUT when set (the device tool's output folder). VLLM_BI_NO_INSTALL=1 skips the install step (for a
+# second gpu_run.sh started beside a first one on a machine already installed).
+# Compile caches: tilelang compiles fla-core's Hopper backward kernels (~17 s each, per process). `save-caches`
+# writes ~/.tilelang to $OUT/tilelang_cache.tar.gz; a tilelang_cache.tar.gz in the bundle folder is unpacked at
+# install, so a fresh machine skips those compiles.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 SITE="${VLLM_BI_SITE:-/tmp/vllm_bi_site}"
@@ -69,7 +74,13 @@ print("vllm.general_plugins:", [(e.name, e.value) for e in eps])
 PY
 }
 
-install_all
+restore_caches() {
+  local t="$BUNDLE/tilelang_cache.tar.gz"
+  [ -f "$t" ] && [ ! -d "$HOME/.tilelang" ] && tar -xzf "$t" -C "$HOME" && echo "restored tilelang cache from $t"
+  return 0
+}
+
+[ "${VLLM_BI_NO_INSTALL:-0}" = 1 ] || { install_all; restore_caches; }
 env_setup
 [ $# -eq 0 ] && set -- install
 while [ $# -gt 0 ]; do
@@ -93,6 +104,12 @@ while [ $# -gt 0 ]; do
       ( cd "$REPO/benchmarks" && python3 gdn_layer.py --part forward --out "$LOG/bench_gdn_forward.md" "${args[@]}" \
         && python3 gdn_layer.py --part train --out "$LOG/bench_gdn_train.md" "${args[@]}" \
         && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
+    e2e)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO/benchmarks" && python3 generate_throughput.py --stock-args "--gdn-prefill-backend triton" \
+        --out "$LOG/bench_e2e.md" "${args[@]}" ) 2>&1 | tee "$LOG/e2e.log" ;;
+    save-caches)
+      if [ -d "$HOME/.tilelang" ]; then tar -czf "$LOG/tilelang_cache.tar.gz" -C "$HOME" .tilelang; ls -la "$LOG/tilelang_cache.tar.gz"; else echo "no ~/.tilelang"; fi ;;
     *) echo "unknown job $job" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,143 @@
+"""Benchmark: end-to-end generator throughput through a real ``vllm serve`` (OpenAI HTTP), batch-invariant vs
+stock, on a random-weight GDN hybrid (default: Qwen3.5-9B layer dimensions, 4 layers, built locally).
+
+    python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,chunk-triton]
+        [--requests 64] [--prompt-len 256] [--max-tokens 128] [--out results.md]
+
+For each mode one server is started, warmed up with one request, then measured in two phases, each with
+``--requests`` concurrent requests of distinct random prompts (so no prefix is shared):
+
+* prefill: ``max_tokens=1`` -> prompt tokens per second of wall time;
+* generate: ``max_tokens=--max-tokens`` (EOS ignored) -> generated tokens per second of wall time
+  (the prompts' prefill included, as a user sees it).
+
+Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock-eager`` (the same with
+``--enforce-eager``: BI mode runs eagerly, so this separates the CUDA-graph share of the gap),
+``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin, ``VLLM_BI_GDN_MODE``, float64 GEMMs) and
+``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). Ratios are stock / mode
+throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut run keeps
+what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+MODES = {  # name -> (batch invariant, extra environment, extra server args)
+    "stock": (False, {}, []),
+    "stock-eager": (False, {}, ["--enforce-eager"]),
+    "recurrent": (True, {"VLLM_BI_GDN_MODE": "recurrent", "VLLM_BI_GEMM": "fp64"}, []),
+    "chunk": (True, {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_GEMM": "fp64"}, []),
+    "recurrent-triton": (True, {"VLLM_BI_GDN_MODE": "recurrent", "VLLM_BI_GEMM": "triton"}, []),
+    "chunk-triton": (True, {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_GEMM": "triton"}, []),
+}
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def measure(srv, n: int, prompt_len: int, max_tokens: int, vocab: int) -> dict:
+    """Prefill and generate phases on a started server; token counts are the server's own."""
+    srv.complete(_prompts(1, prompt_len, vocab, seed=0)[0], max_tokens=4)  # warm-up
+    out = {}
+    for phase, m, seed in (("prefill", 1, 1), ("generate", max_tokens, 2)):
+        reqs = [dict(prompt_ids=p, max_tokens=m) for p in _prompts(n, prompt_len, vocab, seed)]
+        t0 = time.perf_counter()
+        done = srv.complete_many(reqs, workers=n)
+        wall = time.perf_counter() - t0
+        gen = sum(len(c.token_ids) for c in done)
+        if gen != n * m:
+            raise RuntimeError(f"{phase}: the server returned {gen} tokens, expected {n * m}")
+        out[phase] = {"wall_s": wall, "tokens": n * prompt_len if phase == "prefill" else gen}
+        out[phase]["tok_s"] = out[phase]["tokens"] / wall
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="/tmp/vllm_bi_models/qwen3.5-9b",
+                    help="model directory; built (random weights) when missing")
+    ap.add_argument("--family", default="qwen3.5", help="model family when the model is built")
+    ap.add_argument("--spec", default="9b-dims", help="tiny_models spec when the model is built")
+    ap.add_argument("--modes", default="stock,stock-eager,recurrent,chunk,chunk-triton",
+                    help=f"comma-separated, from {', '.join(MODES)}")
+    ap.add_argument("--requests", type=int, default=64, help="concurrent requests per phase")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--server-args", default="--gpu-memory-utilization 0.3",
+                    help="extra `vllm serve` arguments for every mode")
+    ap.add_argument("--stock-args", default="", help="extra `vllm serve` arguments for the stock modes only "
+                    "(on the offline H200 bundle: --gdn-prefill-backend triton)")
+    ap.add_argument("--out", default=None, help="also write the table here (rewritten after each mode)")
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {', '.join(MODES)}")
+
+    import shlex
+
+    from vllm_bi.testing.server import VllmServer, cpu_env
+    from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
+
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        print(f"[bench] building {args.family} ({args.spec}) at {args.model}", flush=True)
+        build_tiny_model(args.family, args.model, seed=0, spec=SPECS[args.spec])
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
+    max_len = args.prompt_len + args.max_tokens + 16
+    head = [f"# end-to-end generation through `vllm serve`: {args.requests} concurrent requests, "
+            f"{args.prompt_len}-token prompts, {args.max_tokens} generated tokens; model {args.model}",
+            "", "command: " + shlex.join([sys.executable, *sys.argv]), "",
+            "| mode | prefill tok/s | x slower than stock | generate tok/s | x slower than stock | "
+            "prefill wall s | generate wall s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows: list[str] = []
+    ref = None
+
+    def write():
+        text = "\n".join(head + rows) + "\n"
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+
+    for mode in modes:
+        bi, extra_env, extra_args = MODES[mode]
+        server_args = ["--max-model-len", str(max_len), "--max-num-seqs", str(max(args.requests, 1)),
+                       *shlex.split(args.server_args), *extra_args]
+        if not bi:
+            server_args += shlex.split(args.stock_args)
+        t0 = time.time()
+        print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)
+        try:
+            with VllmServer(args.model, batch_invariant=bi, args=server_args,
+                            env=cpu_env(bi, extra_env), startup_timeout=600) as srv:
+                print(f"[bench] {mode}: up in {time.time() - t0:.0f} s", flush=True)
+                r = measure(srv, args.requests, args.prompt_len, args.max_tokens, vocab)
+        except Exception as e:  # noqa: BLE001 - recorded in the table, the next mode still runs
+            rows.append(f"| {mode} | error: {str(e).splitlines()[0][:120]} | | | | | |")
+            print(f"[bench] {mode} failed: {e}", flush=True)
+            write()
+            continue
+        if mode == "stock":
+            ref = r
+        pre, gen = r["prefill"], r["generate"]
+        slow_p = f"{ref['prefill']['tok_s'] / pre['tok_s']:.2f}" if ref else "n/a"
+        slow_g = f"{ref['generate']['tok_s'] / gen['tok_s']:.2f}" if ref else "n/a"
+        rows.append(f"| {mode} | {pre['tok_s']:.0f} | {slow_p} | {gen['tok_s']:.0f} | {slow_g} | "
+                    f"{pre['wall_s']:.2f} | {gen['wall_s']:.2f} |")
+        print(rows[-1], flush=True)
+        write()
+    print("\n".join(head + rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
