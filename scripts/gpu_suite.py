@@ -272,6 +272,8 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4, help="jobs at once")
     ap.add_argument("--per-gpu", type=int, default=4, help="jobs sharing one GPU at most")
     ap.add_argument("--job-timeout", type=int, default=None, help="seconds per job (default: each job's own)")
+    ap.add_argument("--match", default=None,
+                    help="comma-separated substrings: run only the chosen groups' jobs whose name contains one")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
     catalogue = build_jobs(args.models)
@@ -284,6 +286,11 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown job group(s) {unknown}; choose from {sorted(catalogue)}")
     jobs = [j for g in groups for j in catalogue[g]]
+    if args.match:
+        subs = [m.strip() for m in args.match.split(",") if m.strip()]
+        jobs = [j for j in jobs if any(m in j.name for m in subs)]
+        if not jobs:
+            ap.error(f"--match {args.match!r} selects no job of {groups}")
     for j in jobs:
         j.timeout = args.job_timeout or j.timeout
     import torch
