@@ -294,35 +294,64 @@ def causal_conv1d_varlen(
     ``conv_states: [N, W-1, D]`` (each sequence's previous W-1 raw inputs, zeros for a new one). With
     ``ext_j = [conv_state_j; x_j]``, each output is ``act(sum_w weight[:, w] * ext_j[t + w])`` accumulated in
     fp32 in the fixed order w = 0..W-1, rounded to x.dtype: elementwise per token, so no sequence's numbers
-    depend on the others. Every tap is one gather over the packed batch (no per-sequence loop).
+    depend on the others. CPU: every tap is one gather over the packed batch (no per-sequence loop). CUDA: one
+    Triton kernel (:mod:`vllm_bi.ops.conv`; its backward differentiates the torch path). The host builds
+    every index once and sends it in one copy.
     Returns ``(y [T, D], new conv states [N, W-1, D])`` (the last W-1 rows of each ``ext_j``).
     """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
     W = weight.shape[-1]
     N = len(cu_seqlens) - 1
     T, D = x.shape
     cu = torch.tensor([int(c) for c in cu_seqlens], dtype=torch.long)
     lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(N), lens)
+    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
+    # new state row r of sequence j is ext_j[len_j + r]: x_j[i] with i = len_j + r - (W-1) when i >= 0, else
+    # conv_state_j[len_j + r]
+    jj = torch.arange(N).repeat_interleave(W - 1)
+    e = lens[jj] + torch.arange(W - 1).repeat(N)
+    in_x = e >= W - 1
+    x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
+    st_row = jj * (W - 1) + e.clamp(max=W - 2)
+    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1]] if x.is_cuda else [])
+    dev = torch.cat(host).to(x.device).split([h.numel() for h in host])
+    states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
+    old = states_x[dev[1]]
+    new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)
+
+    def torch_path(x_, weight_, conv_states_):
+        return _conv_torch(x_, weight_, conv_states_, cu, seq, pos, activation)
+
+    if x.is_cuda:
+        from vllm_bi.ops.conv import CausalConv1dTriton
+
+        y = CausalConv1dTriton.apply(x, weight, conv_states, dev[3], dev[4], dev[5], activation is not None,
+                                     torch_path)
+    else:
+        y = torch_path(x, weight, conv_states)
+    return y, new_states
+
+
+def _conv_torch(x, weight, conv_states, cu, seq, pos, activation):
+    """The conv of :func:`causal_conv1d_varlen` in differentiable torch ops (one gather per tap)."""
+    W = weight.shape[-1]
+    N = cu.numel() - 1
+    T, D = x.shape
     # src = [all conv states; x]; ext_j[i] is src[j*(W-1) + i] for i < W-1, else src[N*(W-1) + cu_j + i - (W-1)]
     src = torch.cat([conv_states.to(x.dtype).reshape(N * (W - 1), D), x])
-    seq = torch.repeat_interleave(torch.arange(N), lens)
-
-    def ext_index(j, i):
-        return torch.where(i < W - 1, j * (W - 1) + i, N * (W - 1) + cu[j] + i - (W - 1))
-
-    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
-    last = torch.arange(W - 1).repeat(N) + torch.repeat_interleave(lens, W - 1)  # ext rows len_j .. len_j+W-2
-    idx = torch.cat([ext_index(seq, pos + w) for w in range(W)] + [ext_index(torch.arange(N).repeat_interleave(W - 1), last)])
-    idx = idx.to(x.device)
+    i = torch.cat([pos + w for w in range(W)])
+    j = seq.repeat(W)
+    idx = torch.where(i < W - 1, j * (W - 1) + i, N * (W - 1) + cu[j] + i - (W - 1)).to(x.device)
     xe = src.float()
     w32 = weight.float()
     acc = xe[idx[0:T]] * w32[:, 0]
     for w in range(1, W):
         acc = acc + xe[idx[w * T : (w + 1) * T]] * w32[:, w]
-    if activation in ("silu", "swish"):
+    if activation is not None:
         acc = pointwise.silu(acc)
-    elif activation is not None:
-        raise ValueError(f"causal_conv1d: unsupported activation {activation!r}")
-    return acc.to(x.dtype), src[idx[W * T :]].reshape(N, W - 1, D)
+    return acc.to(x.dtype)
 
 
 def gdn_sequence(
