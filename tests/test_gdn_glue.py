@@ -120,3 +120,20 @@ def test_chunk_glue_resumes_exactly(dim_first):
                            layer.dt_bias, torch.zeros(3, HV, V, K), H, K, V, mode="chunk")
     for i in range(3):
         assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gather_slots_copies_values_and_zeroes_new_requests(transposed):
+    """The state gather of the server glue: ``cache[slots]`` with new requests' rows zeroed, in the cache's
+    layout or (CUDA) stored swapped for fla-core; the values are the same bits either way."""
+    from vllm_bi.model_executor.gdn import gather_slots
+
+    cache = torch.randn(6, 3, 4, 5)
+    before = cache.clone()
+    slots = torch.tensor([4, 0, 2])
+    got = gather_slots(cache, slots, [1], transposed)
+    want = cache[slots].clone()
+    want[1] = 0
+    assert got.shape == want.shape and torch.equal(got, want)
+    assert got.transpose(-1, -2).is_contiguous() == transposed
+    assert torch.equal(cache, before)  # the cache itself is untouched (slot 0 holds the zeroed request)

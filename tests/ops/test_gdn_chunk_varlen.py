@@ -100,3 +100,24 @@ def test_gradients_flow_through_the_boundary_hand_over(torch_kernel):
     want = torch.autograd.grad(loss(lambda *a: _reference(*a, LENS)), leaves)
     for a, b in zip(got, want):
         assert (a - b).abs().max().item() < 1e-9 * max(1.0, b.abs().max().item())
+
+
+def test_prefill_batch_reads_rows_in_place(torch_kernel):
+    """Every sequence has whole blocks: launch 1 takes every row in place, each sequence as two segments
+    (whole blocks, partial tail); launch 2 recomputes the tails from the boundary states."""
+    lens = [70, 64, 130, 128]
+    q, k, v, g, beta, states = _inputs(3)
+    T = sum(lens)
+    args = (q[:T], k[:T], v[:T], g[:T], beta[:T], states[: len(lens)])
+    leaves = [t.clone().requires_grad_(True) for t in args]
+    o, bound = gdn_chunk._chunk_varlen_cuda(*leaves, _cu(lens), None)
+    o_ref, bound_ref = _reference(*args, lens)
+    assert (o - o_ref).abs().max().item() < 1e-10 and (bound - bound_ref).abs().max().item() < 1e-10
+    assert torch_kernel == [[0, 64, 70, 134, 262, 264, 392], [0, 6, 8]]
+    wo = torch.randn(T, HV, V, dtype=torch.float64)
+    got = torch.autograd.grad((o * wo).sum() + bound.sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_(True) for t in args]
+    o_r, b_r = _reference(*ref_leaves, lens)
+    want = torch.autograd.grad((o_r * wo).sum() + b_r.sum(), ref_leaves)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() < 1e-9

@@ -170,46 +170,78 @@ def gdn_chunk_varlen(
 
 
 def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
+    """Two fla-core chunked launches: the whole blocks of every sequence (their final states are the boundary
+    states), then the partial blocks from those states. A launch that takes every row in order reads the
+    packed tensors in place; otherwise its rows are gathered. When every sequence has whole blocks (a prefill
+    batch), launch 1 takes every row in place: each sequence is two segments, its whole blocks and its
+    partial tail, and the tail's output (from the wrong state) is replaced by launch 2's. Segments are
+    independent in fla-core's varlen kernels, so a segment's bits do not depend on its neighbours."""
     pin_fla_chunk_configs()
     C, dev = CHUNK, q.device
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n = len(cu) - 1
     whole = [(cu[i + 1] - cu[i]) // C * C for i in range(n)]
-    o = torch.zeros(v.shape, dtype=v.dtype, device=dev)
-    bound = states.transpose(-1, -2)  # fla-core keeps [N, HV, K, V]
-
-    def launch(seqs, lo, hi, h0):
-        # rows [lo(i), hi(i)) of each sequence i in seqs, packed, through one fla-core chunked launch
-        rows = rows_of([(lo(i), hi(i)) for i in seqs], dev)
-        cut = torch.tensor([0, *torch.tensor([hi(i) - lo(i) for i in seqs]).cumsum(0).tolist()], device=dev)
-        o_part, ht = FLAGatedDeltaRule.apply(
-            "chunk", q[rows].unsqueeze(0), k[rows].unsqueeze(0), v[rows].unsqueeze(0),
-            g[rows].to(torch.promote_types(g.dtype, torch.float32)).unsqueeze(0), beta[rows].unsqueeze(0),
-            h0.contiguous(), cut, scale)
-        return rows, o_part[0], ht
-
     full = [i for i in range(n) if whole[i]]
-    if full:
-        rows, o_full, ht = launch(full, lambda i: cu[i], lambda i: cu[i] + whole[i], bound[full])
-        o = o.index_copy(0, rows, o_full.to(o.dtype))
-        bound = bound.index_copy(0, torch.tensor(full, device=dev), ht)
     part = [i for i in range(n) if cu[i] + whole[i] < cu[i + 1]]
+    g = g.to(torch.promote_types(g.dtype, torch.float32))
+    bound = states.transpose(-1, -2)  # fla-core keeps [N, HV, K, V] (no copy when states is a view of that)
+
+    def launch(rows, cut, h0):
+        # one fla-core chunked launch over `rows` (None: every row, in place), segments `cut`, states h0
+        x = [t if rows is None else t[rows] for t in (q, k, v, g, beta)]
+        o_, ht = FLAGatedDeltaRule.apply("chunk", *(t.unsqueeze(0) for t in x), h0.contiguous(),
+                                         torch.tensor(cut, device=dev), scale)
+        return o_, ht  # o_ [1, rows, HV, V]
+
+    def packed(ranges):  # rows of `ranges` packed, and their segment offsets
+        return rows_of(ranges, dev), [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+
+    o = None
+    if full and len(full) == n:
+        cut, h_src, whole_seg = [0], [], []
+        for i in range(n):
+            whole_seg.append(len(cut) - 1)  # the index of sequence i's whole-block segment
+            cut.append(cu[i] + whole[i])
+            h_src.append(i)
+            if cu[i] + whole[i] < cu[i + 1]:  # its partial tail, recomputed by launch 2
+                cut.append(cu[i + 1])
+                h_src.append(i)
+        tails = len(h_src) > n
+        o, ht = launch(None, cut, bound[torch.tensor(h_src, device=dev)] if tails else bound)
+        bound = ht[torch.tensor(whole_seg, device=dev)] if tails else ht
+    elif full:
+        rows, cut = packed([(cu[i], cu[i] + whole[i]) for i in full])
+        o_full, ht = launch(rows, cut, bound[full])
+        o = torch.zeros((1, *v.shape), dtype=o_full.dtype, device=dev).index_copy_(1, rows, o_full)
+        bound = bound.index_copy(0, torch.tensor(full, device=dev), ht)
     if part:
-        rows, o_part, _ = launch(part, lambda i: cu[i] + whole[i], lambda i: cu[i + 1], bound[part])
-        o = o.index_copy(0, rows, o_part.to(o.dtype))
-    return o, bound.transpose(-1, -2)
+        if o is None and len(part) == n:  # only partial blocks, every row: in place
+            o, _ = launch(None, cu, bound)
+        else:
+            rows, cut = packed([(cu[i] + whole[i], cu[i + 1]) for i in part])
+            o_part, _ = launch(rows, cut, bound[part])
+            if o is None:
+                o = torch.zeros((1, *v.shape), dtype=o_part.dtype, device=dev)
+            o = o.index_copy(1, rows, o_part.to(o.dtype))  # out of place: autograd refuses writes into o_
+    if o is None:
+        o = torch.zeros((1, *v.shape), dtype=v.dtype, device=dev)
+    return o[0], bound.transpose(-1, -2)
 
 
 # fla-core 0.6.0 kernels of the chunked forward and the config each is pinned to (fields that must match
-# one of the kernel's own configs; the first of its list where none does). Autotuning picks by timing, per
+# one of the kernel's own configs; pinning raises where none does). Autotuning picks by timing, per
 # process and per key (l2norm's key changes with the number of rows), and the config decides the
-# reduction order; pinned, every process and batch runs the same code.
+# reduction order; pinned, every process and batch runs the same code. The pins are what fla-core's autotuner
+# picked on the H200 for the stock 8 x 8K prefill at Qwen3.5-9B dims (docs/results/2026-11-30-h200-gdn-cost.md:
+# the first pins, 4 warps for the kkt solve and 2 stages for the state kernel, cost 2.6 + 1.1 ms there
+# against 0.7 + 0.8 ms).
 FLA_CHUNK_PINS = {
-    ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): {"num_warps": 4},
-    ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"): {"BK": 64, "num_warps": 4},
+    ("fla.ops.utils.cumsum", "chunk_local_cumsum_scalar_kernel"): {"num_warps": 1},
+    ("fla.ops.gated_delta_rule.chunk_fwd", "chunk_gated_delta_rule_fwd_kkt_solve_kernel"):
+        {"BK": 64, "num_warps": 1, "num_stages": 3},
     ("fla.ops.gated_delta_rule.wy_fast", "recompute_w_u_fwd_kernel"): {"num_warps": 4, "num_stages": 3},
     ("fla.ops.common.chunk_delta_h", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64"):
-        {"BV": 32, "num_warps": 4, "num_stages": 2},
+        {"BV": 32, "num_warps": 4, "num_stages": 4},
     ("fla.ops.common.chunk_o", "chunk_fwd_kernel_o"): {"BK": 64, "BV": 64, "num_warps": 4, "num_stages": 3},
     ("fla.modules.norm.l2norm", "l2norm_fwd_kernel"): {"BT": 16, "num_warps": 4},
     ("fla.modules.norm.l2norm", "l2norm_fwd_kernel_row"): {"num_warps": 8},
@@ -252,7 +284,11 @@ def pin_fla_chunk_configs() -> dict[str, str]:
             kernel = kernel.fn
         if not isinstance(kernel, Autotuner):
             raise RuntimeError(f"vllm_bi: fla-core's {mod}.{name} is not autotuned here; cannot pin it")
-        cfg = next((c for c in kernel.configs if _matches(c, want)), kernel.configs[0])
+        cfg = next((c for c in kernel.configs if _matches(c, want)), None)
+        if cfg is None:
+            raise RuntimeError(
+                f"vllm_bi: fla-core's {mod}.{name} has no config {want} (its configs: "
+                f"{[str(c) for c in kernel.configs]}); install fla-core==0.6.0 or use {GDN_MODE_ENV}=recurrent")
         kernel.configs = [cfg]
         kernel.cache.clear()
         pinned[name] = str(cfg)

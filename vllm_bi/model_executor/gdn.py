@@ -122,13 +122,12 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     W = weight.shape[-1]
     dev = mixed_qkv.device
     slot_t = torch.tensor([slots[i] for i in seqs], dtype=torch.long, device=dev)
-    init_t = torch.tensor([has_init[i] for i in seqs], dtype=torch.bool, device=dev)
+    fresh = [j for j, i in enumerate(seqs) if not has_init[i]]  # new requests start from zeros
     dim_first = is_conv_state_dim_first()
-    conv_states = conv_cache[slot_t]
+    conv_states = gather_slots(conv_cache, slot_t, fresh, transposed=False)
     if dim_first:
         conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    conv_states = torch.where(init_t.view(-1, 1, 1), conv_states, torch.zeros_like(conv_states))
-    states = torch.where(init_t.view(-1, 1, 1, 1), ssm_cache[slot_t], torch.zeros_like(ssm_cache[slot_t]))
+    states = gather_slots(ssm_cache, slot_t, fresh, transposed=dev.type == "cuda")  # [N, HV, V, K]
     ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     if gdn_mode() == "chunk":
         starts = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
@@ -144,6 +143,22 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
+
+
+def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: list[int], transposed: bool) -> torch.Tensor:
+    """``cache[slot_t]`` with the rows ``fresh`` zeroed, in one gather. ``transposed``: gather through the
+    view with the last two dims swapped and return that copy seen through the swap again, so the result has
+    ``cache[slot_t]``'s shape and values while its memory holds the swapped layout. On CUDA the fp32 state is
+    gathered so: fla-core's kernels keep ``[HV, K, V]``, so they take
+    that memory as it is instead of transposing another copy (a 256-request decode of Qwen3.5-9B moves
+    537 MB per state copy). Values are copied, never computed, so the layout changes no bit."""
+    if transposed:  # index_select writes its result contiguous (advanced indexing keeps the source's strides)
+        out = torch.index_select(cache.transpose(-1, -2), 0, slot_t).transpose(-1, -2)
+    else:
+        out = cache[slot_t]
+    if fresh:
+        out[torch.tensor(fresh, device=out.device)] = 0
+    return out
 
 
 def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slot_t, conv_cache, ssm_cache, weight,
