@@ -4,7 +4,7 @@ Qwen3.5-9B GDN width (8192 channels, width 4).
 Exact (``torch.equal``): a sequence's outputs and new conv state alone == in a packed batch; a prompt split
 at an arbitrary row and resumed from the first part's conv state == the whole prompt. Correctness: outputs
 vs the float64 formula within 1e-2 absolute + 1e-2 relative (bf16 output); gradients of x and weight
-(the backward differentiates the torch path) vs float64 autograd, relative L2 <= 1e-2.
+(the Triton backward) vs float64 autograd, relative L2 <= 1e-2.
 
 Run on a GPU machine: `pytest -m gpu tests/gpu` (skipped without CUDA).
 """

@@ -295,8 +295,8 @@ def causal_conv1d_varlen(
     ``ext_j = [conv_state_j; x_j]``, each output is ``act(sum_w weight[:, w] * ext_j[t + w])`` accumulated in
     fp32 in the fixed order w = 0..W-1, rounded to x.dtype: elementwise per token, so no sequence's numbers
     depend on the others. CPU: every tap is one gather over the packed batch (no per-sequence loop). CUDA: one
-    Triton kernel (:mod:`vllm_bi.ops.conv`; its backward differentiates the torch path). The host builds
-    every index once and sends it in one copy.
+    Triton kernel (:mod:`vllm_bi.ops.conv`, with a Triton backward). The host builds every index once and
+    sends it in one copy.
     Returns ``(y [T, D], new conv states [N, W-1, D])`` (the last W-1 rows of each ``ext_j``).
     """
     if activation not in (None, "silu", "swish"):
@@ -315,22 +315,18 @@ def causal_conv1d_varlen(
     in_x = e >= W - 1
     x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
     st_row = jj * (W - 1) + e.clamp(max=W - 2)
-    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1]] if x.is_cuda else [])
+    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1], lens] if x.is_cuda else [])
     dev = torch.cat(host).to(x.device).split([h.numel() for h in host])
     states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
     old = states_x[dev[1]]
     new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)
 
-    def torch_path(x_, weight_, conv_states_):
-        return _conv_torch(x_, weight_, conv_states_, cu, seq, pos, activation)
-
     if x.is_cuda:
         from vllm_bi.ops.conv import CausalConv1dTriton
 
-        y = CausalConv1dTriton.apply(x, weight, conv_states, dev[3], dev[4], dev[5], activation is not None,
-                                     torch_path)
+        y = CausalConv1dTriton.apply(x, weight, conv_states, *dev[3:], activation is not None)
     else:
-        y = torch_path(x, weight, conv_states)
+        y = _conv_torch(x, weight, conv_states, cu, seq, pos, activation)
     return y, new_states
 
 

@@ -9,56 +9,106 @@ it is packed with (``tests/gpu/test_gdn_conv_cuda.py`` measures it on the GPU; t
 on CPU through Triton's interpreter, ``tests/ops/test_gdn_conv_triton.py``).
 
 Server and trainer both run this kernel on CUDA, so their bits agree; they need not equal the torch path's
-(the compiler may contract a multiply and an add into one FMA). The backward recomputes the torch path and
-differentiates it: gradients need only be right, not batch-invariant.
+(the compiler may contract a multiply and an add into one FMA). The backward is two Triton kernels as well
+(``dz`` through SiLU with each token block's share of ``dweight``, then ``dx``): gradients need only be right,
+not batch-invariant, and are checked against float64 autograd.
 
-Measured on the H200 at Qwen3.5-9B GDN dimensions (8 x 8192 tokens, 8192 channels): the torch path took
-31.7 ms, fla-core's Triton conv 1.7 ms (``benchmarks/profile_gdn.py``, docs/results/2026-11-30-h200-*.md).
+Measured on the H200 at Qwen3.5-9B GDN dimensions (8 x 8192 tokens, 8192 channels; ``benchmarks/profile_gdn.py``,
+docs/results/2026-11-30-h200-gdn-cost.md): the torch path took 31.7 ms, this forward kernel 2.6 ms, fla-core's
+conv kernel 1.05 ms.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["triton_causal_conv1d", "CausalConv1dTriton"]
+__all__ = ["triton_causal_conv1d", "triton_causal_conv1d_backward", "CausalConv1dTriton"]
 
 BLOCK_T, BLOCK_D = 16, 256
-_KERNEL = None
 
+try:  # Triton is needed on CUDA (and by the interpreter tests on CPU); the CPU path never calls these
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - vllm pulls triton in
+    triton = None
 
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
+if triton is not None:
 
-        @triton.jit
-        def causal_conv1d_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, pos_ptr, start_ptr, y_ptr, T, D,
-                                 W: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-            t = tl.program_id(0) * BT + tl.arange(0, BT)
-            d = tl.program_id(1) * BD + tl.arange(0, BD)
-            mt, md = t < T, d < D
-            j = tl.load(seq_ptr + t, mask=mt, other=0).to(tl.int64)
-            p = tl.load(pos_ptr + t, mask=mt, other=0).to(tl.int64)
-            s0 = tl.load(start_ptr + j, mask=mt, other=0).to(tl.int64)
-            dd = d.to(tl.int64)[None, :]
-            acc = tl.zeros([BT, BD], dtype=tl.float32)
+    @triton.jit
+    def tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W: tl.constexpr):
+        # ext_j[p + w] as fp32: x_j[i] for i = p + w - (W-1) >= 0, else conv_state_j[(W-1) + i]
+        i = p + (w - (W - 1))
+        in_x = (i >= 0)[:, None]
+        xv = tl.load(x_ptr + (s0 + i)[:, None] * D + dd, mask=m & in_x, other=0.0)
+        sv = tl.load(st_ptr + (j * (W - 1) + (W - 1) + i)[:, None] * D + dd, mask=m & (~in_x), other=0.0)
+        return tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
+
+    @triton.jit
+    def rows(seq_ptr, pos_ptr, start_ptr, T, D, BT: tl.constexpr, BD: tl.constexpr):
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        mt, md = t < T, d < D
+        j = tl.load(seq_ptr + t, mask=mt, other=0).to(tl.int64)
+        p = tl.load(pos_ptr + t, mask=mt, other=0).to(tl.int64)
+        s0 = tl.load(start_ptr + j, mask=mt, other=0).to(tl.int64)
+        return t, d, mt, md, j, p, s0, d.to(tl.int64)[None, :], mt[:, None] & md[None, :]
+
+    @triton.jit
+    def causal_conv1d_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, pos_ptr, start_ptr, y_ptr, T, D,
+                             W: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        t, d, mt, md, j, p, s0, dd, m = rows(seq_ptr, pos_ptr, start_ptr, T, D, BT, BD)
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for w in tl.static_range(W):
+            wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+            acc += tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W) * wv[None, :]
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def conv_bwd_dz_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, pos_ptr, start_ptr, gy_ptr, dz_ptr, dw_ptr, T, D,
+                           W: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        # dz = dL/d(pre-activation), and this token block's share of dL/dweight: sum_t dz[t] * ext[p_t + w]
+        t, d, mt, md, j, p, s0, dd, m = rows(seq_ptr, pos_ptr, start_ptr, T, D, BT, BD)
+        rowoff = t.to(tl.int64)[:, None] * D + dd
+        dz = tl.load(gy_ptr + rowoff, mask=m, other=0.0).to(tl.float32)
+        if SILU:
+            z = tl.zeros([BT, BD], dtype=tl.float32)
             for w in tl.static_range(W):
-                i = p + (w - (W - 1))  # position in x_j; a negative one reads conv_state_j[(W-1) + i]
-                in_x = (i >= 0)[:, None]
-                m = mt[:, None] & md[None, :]
-                xv = tl.load(x_ptr + (s0 + i)[:, None] * D + dd, mask=m & in_x, other=0.0)
-                sv = tl.load(st_ptr + (j * (W - 1) + (W - 1) + i)[:, None] * D + dd, mask=m & (~in_x), other=0.0)
-                v = tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
                 wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
-                acc += v * wv[None, :]
-            if SILU:
-                acc = acc / (1.0 + tl.exp(-acc))
-            tl.store(y_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(y_ptr.dtype.element_ty),
-                     mask=mt[:, None] & md[None, :])
+                z += tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W) * wv[None, :]
+            sg = 1.0 / (1.0 + tl.exp(-z))
+            dz = dz * sg * (1.0 + z * (1.0 - sg))
+        tl.store(dz_ptr + rowoff, dz, mask=m)
+        for w in tl.static_range(W):
+            part = tl.sum(dz * tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W), axis=0)
+            tl.store(dw_ptr + (tl.program_id(0) * D + d.to(tl.int64)) * W + w, part, mask=md)
 
-        _KERNEL = causal_conv1d_kernel
-    return _KERNEL
+    @triton.jit
+    def conv_bwd_dx_kernel(dz_ptr, w_ptr, seq_ptr, pos_ptr, start_ptr, len_ptr, dx_ptr, T, D,
+                           W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+        # x_j[i] feeds outputs i + (W-1) - w of its own sequence, w = 0..W-1
+        t, d, mt, md, j, p, s0, dd, m = rows(seq_ptr, pos_ptr, start_ptr, T, D, BT, BD)
+        n = tl.load(len_ptr + j, mask=mt, other=0).to(tl.int64)
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for w in tl.static_range(W):
+            q = p + (W - 1 - w)
+            g = tl.load(dz_ptr + (s0 + q)[:, None] * D + dd, mask=m & (q < n)[:, None], other=0.0)
+            wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+            acc += g * wv[None, :]
+        tl.store(dx_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(dx_ptr.dtype.element_ty), mask=m)
+
+
+
+def _kernels():
+    """(forward, backward dz + dweight shares, backward dx)."""
+    if triton is None:
+        raise RuntimeError("vllm_bi: the CUDA GDN conv needs Triton (installed with vLLM)")
+    return causal_conv1d_kernel, conv_bwd_dz_kernel, conv_bwd_dx_kernel
+
+
+def _grid(T, D):
+    return (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
 
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, seq: torch.Tensor,
@@ -67,36 +117,58 @@ def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: tor
     position ``pos [T]``, per sequence its first row ``starts [N]`` (int tensors on x's device). Returns
     ``y [T, D]`` in x's dtype (no autograd; runs on CPU tensors under ``TRITON_INTERPRET=1``)."""
     T, D = x.shape
-    W = weight.shape[-1]
     x, weight, conv_states = x.contiguous(), weight.contiguous(), conv_states.contiguous()
     y = torch.empty_like(x)
     if T:
-        import triton
-
-        grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
-        _kernel()[grid](x, weight, conv_states, seq, pos, starts, y, T, D, W=W, SILU=silu, BT=BLOCK_T,
-                        BD=BLOCK_D, num_warps=4)
+        _kernels()[0][_grid(T, D)](x, weight, conv_states, seq, pos, starts, y, T, D, W=weight.shape[-1],
+                                   SILU=silu, BT=BLOCK_T, BD=BLOCK_D, num_warps=4)
     return y
 
 
+def triton_causal_conv1d_backward(gy, x, weight, conv_states, seq, pos, starts, lens, silu):
+    """Gradients ``(dx, dweight, dconv_states)`` of :func:`triton_causal_conv1d` for the output gradient ``gy``:
+    ``dz`` (through SiLU, recomputing the pre-activation) and each token block's ``dweight`` share in one
+    kernel, ``dx`` in another; the shares are summed in torch and ``dconv_states`` (N x (W-1) rows) is
+    gathered in torch. fp32 throughout; gradients need be right, not batch-invariant."""
+    T, D = x.shape
+    W = weight.shape[-1]
+    x, weight, conv_states, gy = x.contiguous(), weight.contiguous(), conv_states.contiguous(), gy.contiguous()
+    dz = torch.empty(T, D, dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x)
+    grid = _grid(T, D)
+    shares = torch.empty(grid[0], D, W, dtype=torch.float32, device=x.device)
+    if T:
+        fwd, bwd_dz, bwd_dx = _kernels()
+        bwd_dz[grid](x, weight, conv_states, seq, pos, starts, gy, dz, shares, T, D, W=W, SILU=silu, BT=BLOCK_T,
+                     BD=BLOCK_D, num_warps=4)
+        bwd_dx[grid](dz, weight, seq, pos, starts, lens, dx, T, D, W=W, BT=BLOCK_T, BD=BLOCK_D, num_warps=4)
+    dweight = shares.sum(0).to(weight.dtype)
+    # conv_state_j[r] feeds outputs r - w (w <= r) of sequence j
+    N = conv_states.shape[0]
+    dst = torch.zeros(N, W - 1, D, dtype=torch.float32, device=x.device)
+    for r in range(W - 1):
+        for w in range(r + 1):
+            q = r - w
+            ok = (lens > q)[:, None]
+            rows = (starts + q).clamp(0, max(T - 1, 0)).long()
+            g = dz[rows] if T else torch.zeros(N, D, device=x.device)
+            dst[:, r] += torch.where(ok, g, 0.0) * weight[:, w].float()
+    return dx, dweight, dst.to(conv_states.dtype)
+
+
 class CausalConv1dTriton(torch.autograd.Function):
-    """Forward: :func:`triton_causal_conv1d`. Backward: ``reference(x, weight, conv_states)`` (the torch
-    path, differentiable) recomputed and differentiated."""
+    """Forward :func:`triton_causal_conv1d`, backward :func:`triton_causal_conv1d_backward`."""
 
     @staticmethod
-    def forward(ctx, x, weight, conv_states, seq, pos, starts, silu, reference):
-        ctx.save_for_backward(x, weight, conv_states)
-        ctx.reference = reference
+    def forward(ctx, x, weight, conv_states, seq, pos, starts, lens, silu):
+        ctx.save_for_backward(x, weight, conv_states, seq, pos, starts, lens)
+        ctx.silu = silu
         return triton_causal_conv1d(x, weight, conv_states, seq, pos, starts, silu)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight, conv_states = ctx.saved_tensors
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((x, weight, conv_states),
-                                                                          ctx.needs_input_grad[:3])]
-            y = ctx.reference(*leaves)
-            wanted = [t for t in leaves if t.requires_grad]
-            grads = iter(torch.autograd.grad(y, wanted, gy) if wanted else ())
-        out = [next(grads) if t.requires_grad else None for t in leaves]
-        return (*out, None, None, None, None, None)
+        x, weight, conv_states, seq, pos, starts, lens = ctx.saved_tensors
+        dx, dw, dst = triton_causal_conv1d_backward(gy, x, weight, conv_states, seq, pos, starts, lens, ctx.silu)
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, dw if need[1] else None, dst if need[2] else None,
+                None, None, None, None, None)
