@@ -131,9 +131,31 @@ def test_gather_slots_copies_values_and_zeroes_new_requests(transposed):
     cache = torch.randn(6, 3, 4, 5)
     before = cache.clone()
     slots = torch.tensor([4, 0, 2])
-    got = gather_slots(cache, slots, [1], transposed)
+    got = gather_slots(cache, slots, torch.tensor([1]), transposed)
     want = cache[slots].clone()
     want[1] = 0
     assert got.shape == want.shape and torch.equal(got, want)
     assert got.transpose(-1, -2).is_contiguous() == transposed
     assert torch.equal(cache, before)  # the cache itself is untouched (slot 0 holds the zeroed request)
+
+
+def test_step_plan_is_read_once_per_step():
+    """The scheduler's metadata is read on the host once per step (each read of a device tensor synchronises
+    the stream) and shared by every GDN layer; a new step's metadata object gets its own plan."""
+    from vllm_bi.model_executor.gdn import step_plan
+
+    def metadata(qsl, slots, has_init):
+        return types.SimpleNamespace(non_spec_query_start_loc=torch.tensor(qsl),
+                                     non_spec_state_indices_tensor=torch.tensor(slots), num_decodes=1,
+                                     num_prefills=len(qsl) - 2, has_initial_state=torch.tensor(has_init))
+
+    md = metadata([0, 1, 1, 6], [7, 3, 5], [True, True, False])  # a decode, an empty prefill, a new prompt
+    plan = step_plan(md, torch.device("cpu"))
+    assert plan.ranges == [(0, 1), (1, 6)]  # the empty one is skipped
+    assert plan.rows.tolist() == [0, 1, 2, 3, 4, 5] and plan.slot_t.tolist() == [7, 5]
+    assert plan.fresh.tolist() == [1]  # the new prompt starts from zeros
+    md.non_spec_query_start_loc = None  # a second layer of the same step reads nothing from the scheduler
+    assert step_plan(md, torch.device("cpu")) is plan
+    other = step_plan(metadata([0, 2], [4], [True]), torch.device("cpu"))
+    assert other is not plan and other.ranges == [(0, 2)] and other.fresh is None
+    assert step_plan(metadata([0, 0], [4], [True]), torch.device("cpu")) is None  # nothing scheduled

@@ -40,7 +40,7 @@ from vllm_bi.ops.reduce import row_sum
 
 __all__ = [
     "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen", "causal_conv1d",
-    "causal_conv1d_varlen", "rows_of",
+    "causal_conv1d_varlen", "rows_of", "host_to",
     "gdn_sequence", "gdn_varlen",
 ]
 
@@ -247,7 +247,7 @@ def gdn_recurrent_varlen(
     if q.is_cuda:
         K = q.shape[-1]
         scale = K**-0.5 if scale is None else scale
-        cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
+        cu_t = host_to(torch.tensor(cu, dtype=torch.long), q.device)
         h0 = states.transpose(-1, -2).contiguous()  # fla-core keeps [N, HV, K, V]
         o, ht = FLAGatedDeltaRule.apply(
             "recurrent", q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0), h0, cu_t, scale
@@ -272,13 +272,23 @@ def causal_conv1d(
     return y, st[0]
 
 
+def host_to(t: torch.Tensor, device) -> torch.Tensor:
+    """A host-built (index) tensor on ``device``. On CUDA it goes through pinned memory without blocking: a
+    copy from pageable memory makes PyTorch synchronise the stream, which stops the host from queueing work
+    ahead of the GPU (the GDN core makes several such copies per layer). Values are copied, never computed."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def rows_of(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     """The row indices ``s..e-1`` of every range, concatenated (one host-built tensor, one copy)."""
     lens = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
     starts = torch.tensor([s for s, _ in ranges], dtype=torch.long)
     offsets = lens.cumsum(0) - lens
     rows = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - offsets, lens)
-    return rows.to(device)
+    return host_to(rows, device)
 
 
 def causal_conv1d_varlen(
@@ -316,7 +326,7 @@ def causal_conv1d_varlen(
     x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
     st_row = jj * (W - 1) + e.clamp(max=W - 2)
     host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1], lens] if x.is_cuda else [])
-    dev = torch.cat(host).to(x.device).split([h.numel() for h in host])
+    dev = host_to(torch.cat(host), x.device).split([h.numel() for h in host])
     states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
     old = states_x[dev[1]]
     new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
-from vllm_bi.attention.gdn_recurrent import gdn_varlen, rows_of
+from vllm_bi.attention.gdn_recurrent import gdn_varlen, host_to, rows_of
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
@@ -107,6 +107,51 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
             f"vllm_bi: GDN state cache is {ssm_cache.dtype}, batch invariance needs float32 "
             "(--mamba-ssm-cache-dtype float32)"
         )
+    plan = step_plan(md, mixed_qkv.device)
+    if plan is None:
+        return
+    weight = layer.conv1d.weight
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    W = weight.shape[-1]
+    dev = mixed_qkv.device
+    slot_t, ranges = plan.slot_t, plan.ranges
+    dim_first = is_conv_state_dim_first()
+    conv_states = gather_slots(conv_cache, slot_t, plan.fresh, transposed=False)
+    if dim_first:
+        conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
+    states = gather_slots(ssm_cache, slot_t, plan.fresh, transposed=dev.type == "cuda")  # [N, HV, V, K]
+    if gdn_mode() == "chunk":
+        _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, states, conv_cache, ssm_cache, weight,
+                    dim_first)
+        return
+    o, new_conv, new_states = gdn_varlen(
+        mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
+        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
+    )
+    out[plan.rows] = torch.cat(o).to(out.dtype)
+    ssm_cache[slot_t] = new_states
+    if dim_first:
+        new_conv = new_conv.transpose(1, 2)
+    conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
+
+
+class StepPlan:
+    """What :func:`bi_gdn_core` reads from one scheduler step's metadata, the same for every GDN layer of the
+    step: the scheduled sequences' query ``ranges`` and packed ``rows`` (device), their state ``slot_t``
+    (device), ``fresh`` (device indices of the new requests, whose states start from zeros; None if none) and,
+    for the chunk mode, each one's number of already computed tokens ``starts``."""
+
+    def __init__(self, ranges, rows, slot_t, fresh, starts):
+        self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
+
+
+def step_plan(md, dev) -> StepPlan | None:
+    """The :class:`StepPlan` of ``md``, built on the first GDN layer of a step and kept on the metadata object,
+    so that the host reads the scheduler's device tensors once per step rather than once per layer (each
+    read synchronises the stream). None when no sequence has new tokens."""
+    plan = getattr(md, "_vllm_bi_plan", None)
+    if plan is not None and plan[0] == dev:
+        return plan[1]
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()
@@ -115,38 +160,26 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if n_pre:
         has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
     seqs = [i for i in range(n_dec + n_pre) if qsl[i + 1] > qsl[i]]
-    if not seqs:
-        return
-    weight = layer.conv1d.weight
-    weight = weight.reshape(weight.shape[0], weight.shape[-1])
-    W = weight.shape[-1]
-    dev = mixed_qkv.device
-    slot_t = torch.tensor([slots[i] for i in seqs], dtype=torch.long, device=dev)
-    fresh = [j for j, i in enumerate(seqs) if not has_init[i]]  # new requests start from zeros
-    dim_first = is_conv_state_dim_first()
-    conv_states = gather_slots(conv_cache, slot_t, fresh, transposed=False)
-    if dim_first:
-        conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    states = gather_slots(ssm_cache, slot_t, fresh, transposed=dev.type == "cuda")  # [N, HV, V, K]
-    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
-    if gdn_mode() == "chunk":
-        starts = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
-        _chunk_core(layer, mixed_qkv, b, a, out, ranges, [starts[i] for i in seqs], conv_states, states,
-                    slot_t, conv_cache, ssm_cache, weight, dim_first)
-        return
-    o, new_conv, new_states = gdn_varlen(
-        mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
-        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
-    )
-    out[rows_of(ranges, out.device)] = torch.cat(o).to(out.dtype)
-    ssm_cache[slot_t] = new_states
-    if dim_first:
-        new_conv = new_conv.transpose(1, 2)
-    conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
+    result = None
+    if seqs:
+        ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
+        fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
+        starts = None
+        if gdn_mode() == "chunk":
+            computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
+            starts = [computed[i] for i in seqs]
+        result = StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
+                          host_to(torch.tensor(fresh), dev) if fresh else None, starts)
+    try:
+        md._vllm_bi_plan = (dev, result)
+    except AttributeError:  # a metadata class with __slots__: build it per layer
+        pass
+    return result
 
 
-def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: list[int], transposed: bool) -> torch.Tensor:
-    """``cache[slot_t]`` with the rows ``fresh`` zeroed, in one gather. ``transposed``: gather through the
+def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: torch.Tensor | None,
+                 transposed: bool) -> torch.Tensor:
+    """``cache[slot_t]`` with the rows ``fresh`` (device indices, or None) zeroed, in one gather. ``transposed``: gather through the
     view with the last two dims swapped and return that copy seen through the swap again, so the result has
     ``cache[slot_t]``'s shape and values while its memory holds the swapped layout. On CUDA the fp32 state is
     gathered so: fla-core's kernels keep ``[HV, K, V]``, so they take
@@ -156,19 +189,19 @@ def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: list[int], tr
         out = torch.index_select(cache.transpose(-1, -2), 0, slot_t).transpose(-1, -2)
     else:
         out = cache[slot_t]
-    if fresh:
-        out[torch.tensor(fresh, device=out.device)] = 0
+    if fresh is not None:
+        out[fresh] = 0
     return out
 
 
-def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slot_t, conv_cache, ssm_cache, weight,
-                dim_first):
+def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, ssm_cache, weight, dim_first):
     """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
     request's last block boundary (``ssm_cache``; here ``boundary``) and, in the widened conv cache (here
     ``hist [N, rows, D + 2 HV]``), the last ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its
     next token; both are zeros for a new request. A request whose first new token sits at absolute position
     ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
     (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
+    ranges, starts, slot_t = plan.ranges, plan.starts, plan.slot_t
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
     N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
@@ -189,7 +222,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slo
 
     blk_len = R - first + n  # the partial block's cached rows, then the new ones
     idx = torch.cat([spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R))])
-    idx = idx.to(src.device)
+    idx = host_to(idx, src.device)
     k1, k2 = N * (W - 1), N * (W - 1) + int(blk_len.sum())
     conv0 = src[idx[:k1], :D].reshape(N, W - 1, D)
     blk = src[idx[k1:k2]]
@@ -202,7 +235,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, ranges, starts, hist, boundary, slo
         layer.activation, mode="chunk",
     )
     keep = (R - first).tolist()
-    out[rows_of(ranges, out.device)] = torch.cat([o[j][keep[j] :] for j in range(N)]).to(out.dtype)
+    out[plan.rows] = torch.cat([o[j][keep[j] :] for j in range(N)]).to(out.dtype)
     ssm_cache[slot_t] = finals
     if dim_first:
         new_hist = new_hist.transpose(1, 2)
