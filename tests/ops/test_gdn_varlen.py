@@ -31,3 +31,5 @@ def test_gdn_varlen_matches_gdn_sequence_per_sequence():
         assert torch.equal(outs[j], o)
         assert torch.equal(new_conv[j], c)
         assert torch.equal(new_states[j], st)
+    o_packed, _, _ = gdn_varlen(x, ranges, w, conv, A_log, a, b, dt_bias, states, H, K, V, packed=True)
+    assert torch.equal(o_packed, torch.cat(outs))  # the server glue's form: one tensor, sequences in order

@@ -407,7 +407,8 @@ def gdn_varlen(
     head_v_dim: int,
     activation: str | None = "silu",
     mode: str = "recurrent",
-) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    packed: bool = False,
+) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
     ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` instead
@@ -418,7 +419,8 @@ def gdn_varlen(
     ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
     (zeros for a new sequence). The conv and the gating are elementwise per token and the
     recurrence is :func:`gdn_recurrent_varlen`, so no sequence's numbers depend on the others.
-    Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``.
+    Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``; with
+    ``packed=True`` the outputs are one tensor ``[sum(e-s), HV, V]``, the sequences in order.
     """
     key_dim = num_k_heads * head_k_dim
     cu = [0]
@@ -426,8 +428,8 @@ def gdn_varlen(
         cu.append(cu[-1] + (e - s))
     rows = rows_of(ranges, a.device)
     contiguous = all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1))
-    packed = mixed_qkv[ranges[0][0] : ranges[-1][1]] if contiguous else mixed_qkv[rows]
-    x, new_conv = causal_conv1d_varlen(packed, cu, conv_weight, conv_states, activation)
+    x_in = mixed_qkv[ranges[0][0] : ranges[-1][1]] if contiguous else mixed_qkv[rows]
+    x, new_conv = causal_conv1d_varlen(x_in, cu, conv_weight, conv_states, activation)
     T = x.shape[0]
     q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
@@ -440,4 +442,6 @@ def gdn_varlen(
     else:
         raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
     o, finals = core(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
+    if packed:
+        return o, new_conv, finals
     return [o[cu[j] : cu[j + 1]] for j in range(len(ranges))], new_conv, finals

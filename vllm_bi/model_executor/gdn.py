@@ -126,9 +126,9 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         return
     o, new_conv, new_states = gdn_varlen(
         mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
-        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation,
+        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation, packed=True,
     )
-    out[plan.rows] = torch.cat(o).to(out.dtype)
+    out[plan.rows] = o.to(out.dtype)
     ssm_cache[slot_t] = new_states
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
@@ -143,6 +143,7 @@ class StepPlan:
 
     def __init__(self, ranges, rows, slot_t, fresh, starts):
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
+        self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
 
 
 def step_plan(md, dev) -> StepPlan | None:
@@ -201,15 +202,48 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
     next token; both are zeros for a new request. A request whose first new token sits at absolute position
     ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
     (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
-    ranges, starts, slot_t = plan.ranges, plan.starts, plan.slot_t
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
     N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
+    ix = _chunk_index(plan, R, W, mixed_qkv.device)
     raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
     # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw_new] in one index each
     src = torch.cat([hist.reshape(N * R, hist.shape[2]), raw_new.to(hist.dtype)])
+    conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
+    blk = src[ix.block_rows]
+    new_hist = src[ix.hist_rows].reshape(N, R, -1)
+    o, _, finals = gdn_varlen(
+        blk[:, :D], ix.ranges, weight, conv0, layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
+        layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
+        layer.activation, mode="chunk", packed=True,
+    )
+    out[plan.rows] = o[ix.keep_rows].to(out.dtype)
+    ssm_cache[plan.slot_t] = finals
+    if dim_first:
+        new_hist = new_hist.transpose(1, 2)
+    conv_cache[plan.slot_t] = new_hist.to(conv_cache.dtype)
+
+
+class _ChunkIndex:
+    """The chunk mode's gathers for one step (the same for every GDN layer): rows of ``src = [all histories;
+    new raw rows]`` for each request's conv state before its partial block (``conv_rows``), its partial
+    block's cached rows then its new rows (``block_rows``; packed ``ranges``), its new history
+    (``hist_rows``), and the rows of the packed output that are new tokens (``keep_rows``)."""
+
+    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows):
+        self.conv_rows, self.block_rows, self.hist_rows = conv_rows, block_rows, hist_rows
+        self.ranges, self.keep_rows = ranges, keep_rows
+
+
+def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
+    """Build (once per step and history width; kept on the plan) the chunk mode's indices from the requests'
+    query ranges and absolute start positions: host work and one host-to-device copy."""
+    key = (R, W, str(dev))
+    if key in plan.chunk:
+        return plan.chunk[key]
+    ranges, N = plan.ranges, len(plan.ranges)
     n = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
-    first = R - torch.tensor(starts, dtype=torch.long) % CHUNK  # ext row of each request's block boundary
+    first = R - torch.tensor(plan.starts, dtype=torch.long) % CHUNK  # ext row of each request's block boundary
     s0 = torch.tensor([s for s, _ in ranges], dtype=torch.long)
 
     def ext_rows(req: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -221,25 +255,16 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
         return ext_rows(req, lo[req] + off)
 
     blk_len = R - first + n  # the partial block's cached rows, then the new ones
-    idx = torch.cat([spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R))])
-    idx = host_to(idx, src.device)
-    k1, k2 = N * (W - 1), N * (W - 1) + int(blk_len.sum())
-    conv0 = src[idx[:k1], :D].reshape(N, W - 1, D)
-    blk = src[idx[k1:k2]]
-    new_hist = src[idx[k2:]].reshape(N, R, -1)
     bounds = [0, *blk_len.cumsum(0).tolist()]
-    rng = [(bounds[j], bounds[j + 1]) for j in range(N)]
-    o, _, finals = gdn_varlen(
-        blk[:, :D], rng, weight, conv0, layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
-        layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
-        layer.activation, mode="chunk",
-    )
     keep = (R - first).tolist()
-    out[plan.rows] = torch.cat([o[j][keep[j] :] for j in range(N)]).to(out.dtype)
-    ssm_cache[slot_t] = finals
-    if dim_first:
-        new_hist = new_hist.transpose(1, 2)
-    conv_cache[slot_t] = new_hist.to(conv_cache.dtype)
+    keep_rows = torch.cat([torch.arange(bounds[j] + keep[j], bounds[j + 1]) for j in range(N)])
+    parts = [spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R)),
+             keep_rows]
+    dev_parts = host_to(torch.cat(parts), dev).split([p_.numel() for p_ in parts])
+    ix = _ChunkIndex(dev_parts[0], dev_parts[1], dev_parts[2], [(bounds[j], bounds[j + 1]) for j in range(N)],
+                     dev_parts[3])
+    plan.chunk[key] = ix
+    return ix
 
 
 def chunk_state_shape(orig):
