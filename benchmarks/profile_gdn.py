@@ -8,7 +8,9 @@ Per shape and mode: median ms (CUDA events) of each step of the core as ``gdn_va
 gather, conv, q/k/v split, gating, the recurrence) and of the whole call, and the 10 ops with the most self
 CUDA time and self CPU time in one profiled call. Mode ``stock`` (run first: the chunk mode pins fla-core's
 kernels process-wide) is gdn_layer.py's stock core, timed with fla-core's defaults and again with the
-backend re-dispatch the chunk mode turns off (FLA_INTRACARD_CP=0, FLA_FLASH_QLA=0).
+backend re-dispatch the chunk mode turns off (FLA_INTRACARD_CP=0, FLA_FLASH_QLA=0). First, the Triton conv
+kernel's time for several tilings (``--conv-blocks``), which change no bit: the fastest can be made the
+default (``vllm_bi.ops.conv.BLOCK_T``/``BLOCK_D``).
 """
 
 from __future__ import annotations
@@ -111,14 +113,38 @@ def breakdown(lens, mode, dev, reps):
     return times, by_cuda, by_cpu
 
 
+def conv_tilings(spec: str, reps: int) -> dict[str, float]:
+    """Median ms of the Triton conv kernel at 8 x 8192 tokens (9B width) for each tiling in ``spec``."""
+    from vllm_bi.ops.conv import triton_causal_conv1d
+
+    lens = [8192] * 8
+    mixed, conv_w, *_ = _inputs(lens, "cuda")
+    st = torch.zeros(len(lens), W - 1, D, device="cuda", dtype=torch.bfloat16)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).int().cuda()
+    pos = torch.arange(8192).repeat(len(lens)).int().cuda()
+    starts = torch.arange(0, sum(lens), 8192).cuda()
+    out = {}
+    for b in spec.split(","):
+        blocks = tuple(int(v) for v in b.split("x"))
+        out[b] = timed(lambda: triton_causal_conv1d(mixed, conv_w, st, seq, pos, starts, True, blocks), reps)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="prefill:8x8192,prefill:1x16384,prefill:64x1024,decode:16x33,decode:256x1")
     ap.add_argument("--modes", default="stock,recurrent,chunk", help="stock runs first whatever the order")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--conv-blocks", default="16x256x4,32x256x4,64x128x4,64x64x4,128x64x8",
+                    help="tilings (tokens x channels x warps) of the Triton conv kernel to time at 8 x 8192 "
+                         "tokens ('' to skip); they change no bit (tests/gpu/test_gdn_conv_cuda.py)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; median ms of {args.reps}", ""]
+    if args.conv_blocks:
+        lines += ["## Triton conv tilings, 8 x 8192 tokens", "", "| tokens x channels x warps | ms |", "| --- | ---: |",
+                  *[f"| {b} | {t:.3f} |" for b, t in conv_tilings(args.conv_blocks, args.reps).items()], ""]
+        print("\n".join(lines), flush=True)
     modes = sorted(args.modes.split(","), key=lambda m: m != "stock")
     for mode in modes:
         for spec in args.shapes.split(","):

@@ -76,3 +76,18 @@ def test_matches_float64_and_gradients():
     for got, want in ((xg.grad, x64.grad), (wg.grad, w64.grad)):
         rel = float((got.double() - want).norm() / want.norm())
         assert rel <= 1e-2, rel
+
+
+def test_block_sizes_do_not_change_the_bits():
+    """The kernel's tiling (tokens x channels per program, warps) decides which program computes an element,
+    not how: every tiling gives the same bits, so the fastest can be chosen by measurement alone."""
+    from vllm_bi.ops.conv import triton_causal_conv1d
+
+    x, w, st = _inputs(2)
+    cu = _cu(LENS)
+    seq = torch.repeat_interleave(torch.arange(len(LENS)), torch.tensor(LENS)).int().to(DEV)
+    pos = (torch.arange(sum(LENS)) - torch.tensor(cu[:-1]).repeat_interleave(torch.tensor(LENS))).int().to(DEV)
+    starts = torch.tensor(cu[:-1]).to(DEV)
+    ref = triton_causal_conv1d(x, w, st, seq, pos, starts, True)
+    for blocks in ((16, 256, 4), (64, 64, 4), (32, 128, 8), (128, 32, 2)):
+        assert torch.equal(triton_causal_conv1d(x, w, st, seq, pos, starts, True, blocks), ref), blocks

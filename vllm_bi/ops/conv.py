@@ -107,21 +107,25 @@ def _kernels():
     return causal_conv1d_kernel, conv_bwd_dz_kernel, conv_bwd_dx_kernel
 
 
-def _grid(T, D):
-    return (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))
+def _grid(T, D, bt=BLOCK_T, bd=BLOCK_D):
+    return (triton.cdiv(T, bt), triton.cdiv(D, bd))
 
 
 def triton_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor, seq: torch.Tensor,
-                         pos: torch.Tensor, starts: torch.Tensor, silu: bool) -> torch.Tensor:
+                         pos: torch.Tensor, starts: torch.Tensor, silu: bool,
+                         blocks: tuple[int, int, int] = (BLOCK_T, BLOCK_D, 4)) -> torch.Tensor:
     """``x [T, D]``, ``weight [D, W]``, ``conv_states [N, W-1, D]``; per token its sequence ``seq [T]`` and
     position ``pos [T]``, per sequence its first row ``starts [N]`` (int tensors on x's device). Returns
-    ``y [T, D]`` in x's dtype (no autograd; runs on CPU tensors under ``TRITON_INTERPRET=1``)."""
+    ``y [T, D]`` in x's dtype (no autograd; runs on CPU tensors under ``TRITON_INTERPRET=1``). ``blocks``
+    (tokens, channels, warps per program) decide only which program computes an element, not its bits
+    (``benchmarks/profile_gdn.py --conv-blocks`` times the choices; the GPU test checks the bits agree)."""
     T, D = x.shape
+    bt, bd, warps = blocks
     x, weight, conv_states = x.contiguous(), weight.contiguous(), conv_states.contiguous()
     y = torch.empty_like(x)
     if T:
-        _kernels()[0][_grid(T, D)](x, weight, conv_states, seq, pos, starts, y, T, D, W=weight.shape[-1],
-                                   SILU=silu, BT=BLOCK_T, BD=BLOCK_D, num_warps=4)
+        _kernels()[0][_grid(T, D, bt, bd)](x, weight, conv_states, seq, pos, starts, y, T, D, W=weight.shape[-1],
+                                           SILU=silu, BT=bt, BD=bd, num_warps=warps)
     return y
 
 
