@@ -3,6 +3,7 @@ stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invar
 
     python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick]
     python benchmarks/gdn_layer.py --part train [--out train.md]
+    python benchmarks/gdn_layer.py --part layer [--out layer.md]
 
 "Core" is everything between the in-projection and the output norm: causal conv1d + SiLU, q/k/v split,
 gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
@@ -21,6 +22,9 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   forward in each mode and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
   (Hopper with Triton < 3.7.1 and no tilelang).
+
+* layer (``--part layer``): in-projections + core + out-projection (no gated output norm), stock = cuBLAS
+  bf16 GEMMs + the stock core, BI = ``bi_linear`` (float64, or ``VLLM_BI_GEMM=triton``) + ``gdn_varlen``.
 
 All stock runs come first: the chunk mode pins fla-core's autotuned kernels process-wide, and the table
 lists what autotuning had picked for the stock runs and what the chunk mode pins.
@@ -247,6 +251,70 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
     _configs(rep, tuned)
 
 
+HIDDEN = 4096  # Qwen3.5-9B hidden size
+
+
+def _projections(dev):
+    """Random bf16 weights of the GDN layer's projections: in_proj_qkvz (q, k, v, z), in_proj_ba, out_proj."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    w = {"qkvz": (D + VAL, HIDDEN), "ba": (2 * HV, HIDDEN), "out": (HIDDEN, VAL)}
+    return {k: (torch.randn(*shape, generator=g) * 0.02).bfloat16().to(dev) for k, shape in w.items()}
+
+
+def time_layer(shape: Shape, mode: str, gemm: str, dev: str, reps: int) -> float:
+    """One GDN layer without its gated output norm: in-projections, the core, out-projection. ``mode`` stock
+    (cuBLAS bf16 GEMMs, fla-core core) or recurrent | chunk (``bi_linear`` with ``VLLM_BI_GEMM=gemm``, vllm_bi's
+    core). Decode in the chunk mode: the GEMMs see the new tokens, the core recomputes the partial block."""
+    import os
+
+    from vllm_bi.ops.linear import bi_linear
+
+    W_ = _projections(dev)
+    T_new = sum(shape.lens)
+    h = (torch.randn(T_new, HIDDEN, device=dev) * 0.5).bfloat16()
+    core_lens = shape.chunk_lens if mode == "chunk" else shape.lens
+    mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv = _forward_inputs(core_lens, shape.decode, dev)
+    if mode == "stock":
+        def run():
+            qkvz = torch.mm(h, W_["qkvz"].t())
+            torch.mm(h, W_["ba"].t())
+            o, _ = stock_core(shape.lens, qkvz[:, :D].contiguous(), conv_w, A_log, a, b, dt_bias, conv0, st_kv,
+                              shape.decode)
+            return torch.mm(o.reshape(T_new, VAL), W_["out"].t())
+        return timed(run, reps)
+    os.environ["VLLM_BI_GEMM"] = gemm
+    conv_states = conv0[:, :, 1:].transpose(1, 2).contiguous()
+    st_vk = st_kv.transpose(-1, -2).contiguous()
+
+    def run():
+        qkvz = bi_linear(h, W_["qkvz"])
+        bi_linear(h, W_["ba"])
+        # the core's rows: the new tokens' projections (prefill), or the cached partial block + new token (chunk
+        # decode, whose cached rows the server gathers from its history)
+        x = qkvz[:, :D] if mode != "chunk" or not shape.decode else mixed
+        outs, _, _ = bi_core(core_lens, x, conv_w, A_log, a, b, dt_bias, conv_states, st_vk, mode)
+        o = torch.cat(outs) if mode != "chunk" or not shape.decode else torch.cat([t[-1:] for t in outs])
+        return bi_linear(o.reshape(T_new, VAL), W_["out"])
+
+    try:
+        return timed(run, reps)
+    finally:
+        os.environ.pop("VLLM_BI_GEMM", None)
+
+
+def layer_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> None:
+    stock = {sh.label: time_layer(sh, "stock", "", dev, reps) for sh in shapes}
+    rep.add("| shape | stock | chunk, fp64 GEMM | ratio | chunk, Triton GEMM | ratio | recurrent, Triton GEMM | ratio |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for sh in shapes:
+        s = stock[sh.label]
+        c64 = time_layer(sh, "chunk", "fp64", dev, reps)
+        ctr = time_layer(sh, "chunk", "triton", dev, reps)
+        rtr = time_layer(sh, "recurrent", "triton", dev, reps)
+        rep.add(f"| {sh.label} | {s:.3f} | {c64:.3f} | {c64 / s:.2f}x | {ctr:.3f} | {ctr / s:.2f}x | {rtr:.3f} | "
+                f"{rtr / s:.2f}x |")
+
+
 def _configs(rep: Report, tuned: str) -> None:
     from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
 
@@ -257,8 +325,9 @@ def _configs(rep: Report, tuned: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="also write the tables to this file (rewritten after each row)")
-    ap.add_argument("--part", default="forward", choices=["forward", "train"],
-                    help="forward: prefill and decode rows; train: forward+backward rows. One per process: the "
+    ap.add_argument("--part", default="forward", choices=["forward", "train", "layer"],
+                    help="forward: prefill and decode rows of the GDN core; train: forward+backward rows; layer: "
+                         "the whole layer with its projections (cuBLAS vs the BI GEMMs). One per process: the "
                          "stock runs must come before the chunk mode pins fla-core's kernels")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs (a smoke test)")
     ap.add_argument("--reps", type=int, default=10)
@@ -284,6 +353,8 @@ def main() -> None:
             f"{p} + 1 (the partial block it recomputes) unless the row says otherwise.", "")
     if args.part == "forward":
         forward_tables(rep, shapes, dev, args.reps)
+    elif args.part == "layer":
+        layer_tables(rep, shapes, dev, args.reps)
     else:
         train_tables(rep, train, dev, reps_train)
 

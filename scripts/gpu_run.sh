@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
-#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS, bi_gemm.py),
+#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
@@ -102,6 +102,7 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       # forward and train rows in separate processes (stock runs before the chunk mode pins fla-core's kernels)
       ( cd "$REPO/benchmarks" && python3 gdn_layer.py --part forward --out "$LOG/bench_gdn_forward.md" "${args[@]}" \
+        && python3 gdn_layer.py --part layer --out "$LOG/bench_gdn_layer.md" "${args[@]}" \
         && python3 gdn_layer.py --part train --out "$LOG/bench_gdn_train.md" "${args[@]}" \
         && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
     e2e)
