@@ -33,3 +33,15 @@ def test_gdn_varlen_matches_gdn_sequence_per_sequence():
         assert torch.equal(new_states[j], st)
     o_packed, _, _ = gdn_varlen(x, ranges, w, conv, A_log, a, b, dt_bias, states, H, K, V, packed=True)
     assert torch.equal(o_packed, torch.cat(outs))  # the server glue's form: one tensor, sequences in order
+
+
+def test_index_tensors_are_built_once_per_layout():
+    """The GDN core's index tensors depend only on the batch layout, the same for every layer of a step: they
+    are built and copied once and shared; another layout gets its own."""
+    from vllm_bi.attention.gdn_recurrent import index_on, rows_of
+
+    a = rows_of([(0, 2), (5, 7)], "cpu")
+    assert a.tolist() == [0, 1, 5, 6] and rows_of([(0, 2), (5, 7)], torch.device("cpu")) is a
+    assert rows_of([(0, 3)], "cpu").tolist() == [0, 1, 2]
+    assert index_on([0, 4, 9], "cpu") is index_on((0, 4, 9), "cpu")
+    assert index_on([0, 4], "cpu").tolist() == [0, 4]

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, heads_qk, host_to, rows_of
+from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, heads_qk, index_on, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
@@ -190,7 +190,7 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
         # one fla-core chunked launch over `rows` (None: every row, in place), segments `cut`, states h0
         x = [t if rows is None else t[rows] for t in (q, k, v, g, beta)]
         o_, ht = FLAGatedDeltaRule.apply("chunk", *(t.unsqueeze(0) for t in x), h0.contiguous(),
-                                         host_to(torch.tensor(cut), dev), scale)
+                                         index_on(cut, dev), scale)
         return o_, ht  # o_ [1, rows, HV, V]
 
     def packed(ranges):  # rows of `ranges` packed, and their segment offsets
@@ -207,11 +207,11 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
                 cut.append(cu[i + 1])
                 h_src.append(i)
         tails = len(h_src) > n
-        o, ht = launch(None, cut, bound[host_to(torch.tensor(h_src), dev)] if tails else bound)
-        bound = ht[host_to(torch.tensor(whole_seg), dev)] if tails else ht
+        o, ht = launch(None, cut, bound[index_on(h_src, dev)] if tails else bound)
+        bound = ht[index_on(whole_seg, dev)] if tails else ht
     elif full:
         rows, cut = packed([(cu[i], cu[i] + whole[i]) for i in full])
-        full_t = host_to(torch.tensor(full), dev)
+        full_t = index_on(full, dev)
         o_full, ht = launch(rows, cut, bound[full_t])
         o = torch.zeros((1, *v.shape), dtype=o_full.dtype, device=dev).index_copy_(1, rows, o_full)
         bound = bound.index_copy(0, full_t, ht)
@@ -220,7 +220,7 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
             o, _ = launch(None, cu, bound)
         else:
             rows, cut = packed([(cu[i] + whole[i], cu[i + 1]) for i in part])
-            o_part, _ = launch(rows, cut, bound[host_to(torch.tensor(part), dev)])
+            o_part, _ = launch(rows, cut, bound[index_on(part, dev)])
             if o is None:
                 o = torch.zeros((1, *v.shape), dtype=o_part.dtype, device=dev)
             o = o.index_copy(1, rows, o_part.to(o.dtype))  # out of place: autograd refuses writes into o_

@@ -33,6 +33,8 @@ Triton < 3.7.1 and no tilelang); only the forward must match the server.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_bi.ops import pointwise
@@ -40,7 +42,7 @@ from vllm_bi.ops.reduce import row_sum
 
 __all__ = [
     "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen", "causal_conv1d",
-    "causal_conv1d_varlen", "rows_of", "host_to",
+    "causal_conv1d_varlen", "rows_of", "host_to", "index_on",
     "gdn_sequence", "gdn_varlen",
 ]
 
@@ -247,7 +249,7 @@ def gdn_recurrent_varlen(
     if q.is_cuda:
         K = q.shape[-1]
         scale = K**-0.5 if scale is None else scale
-        cu_t = host_to(torch.tensor(cu, dtype=torch.long), q.device)
+        cu_t = index_on(cu, q.device)
         h0 = states.transpose(-1, -2).contiguous()  # fla-core keeps [N, HV, K, V]
         o, ht = FLAGatedDeltaRule.apply(
             "recurrent", q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta.unsqueeze(0), h0, cu_t, scale
@@ -282,13 +284,35 @@ def host_to(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def rows_of(ranges: list[tuple[int, int]], device) -> torch.Tensor:
-    """The row indices ``s..e-1`` of every range, concatenated (one host-built tensor, one copy)."""
+# Index tensors are pure functions of the batch layout, which is the same for every GDN layer of a step (and
+# often of the next step): they are built and copied once and then reused. Callers only read them.
+_INDEX_CACHE = 64
+
+
+@functools.lru_cache(maxsize=_INDEX_CACHE)
+def _index_on(values: tuple[int, ...], device: str) -> torch.Tensor:
+    return host_to(torch.tensor(values, dtype=torch.long), device)
+
+
+def index_on(values, device) -> torch.Tensor:
+    """A short index vector (offsets, sequence ids) on ``device``, built once per distinct content (shared:
+    read only)."""
+    return _index_on(tuple(int(v) for v in values), str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=_INDEX_CACHE)
+def _rows_of(ranges: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
     lens = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
     starts = torch.tensor([s for s, _ in ranges], dtype=torch.long)
     offsets = lens.cumsum(0) - lens
     rows = torch.arange(int(lens.sum())) + torch.repeat_interleave(starts - offsets, lens)
     return host_to(rows, device)
+
+
+def rows_of(ranges: list[tuple[int, int]], device) -> torch.Tensor:
+    """The row indices ``s..e-1`` of every range, concatenated (built and copied once per distinct layout;
+    shared: read only)."""
+    return _rows_of(tuple((int(s), int(e)) for s, e in ranges), str(torch.device(device)))
 
 
 def causal_conv1d_varlen(
@@ -314,19 +338,7 @@ def causal_conv1d_varlen(
     W = weight.shape[-1]
     N = len(cu_seqlens) - 1
     T, D = x.shape
-    cu = torch.tensor([int(c) for c in cu_seqlens], dtype=torch.long)
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(N), lens)
-    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
-    # new state row r of sequence j is ext_j[len_j + r]: x_j[i] with i = len_j + r - (W-1) when i >= 0, else
-    # conv_state_j[len_j + r]
-    jj = torch.arange(N).repeat_interleave(W - 1)
-    e = lens[jj] + torch.arange(W - 1).repeat(N)
-    in_x = e >= W - 1
-    x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
-    st_row = jj * (W - 1) + e.clamp(max=W - 2)
-    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1], lens] if x.is_cuda else [])
-    dev = host_to(torch.cat(host), x.device).split([h.numel() for h in host])
+    cu, seq, pos, dev = _conv_index(tuple(int(c) for c in cu_seqlens), W, str(x.device))
     states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
     old = states_x[dev[1]]
     new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)
@@ -338,6 +350,29 @@ def causal_conv1d_varlen(
     else:
         y = _conv_torch(x, weight, conv_states, cu, seq, pos, activation)
     return y, new_states
+
+
+@functools.lru_cache(maxsize=_INDEX_CACHE)
+def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
+    """The conv's indices for one batch layout (built once, shared, read only): ``cu``, each token's sequence
+    and position (host), and on ``device`` the rows of the new conv states (from x, from the old state, which
+    of the two) and, on CUDA, the Triton kernel's per-token sequence, position, per-sequence start and length."""
+    N = len(cu_seqlens) - 1
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    T = int(cu[-1])
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(N), lens)
+    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
+    # new state row r of sequence j is ext_j[len_j + r]: x_j[i] with i = len_j + r - (W-1) when i >= 0, else
+    # conv_state_j[len_j + r]
+    jj = torch.arange(N).repeat_interleave(W - 1)
+    e = lens[jj] + torch.arange(W - 1).repeat(N)
+    in_x = e >= W - 1
+    x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
+    st_row = jj * (W - 1) + e.clamp(max=W - 2)
+    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1], lens] if device.startswith("cuda") else [])
+    dev = host_to(torch.cat(host), device).split([h.numel() for h in host])
+    return cu, seq, pos, dev
 
 
 def _conv_torch(x, weight, conv_states, cu, seq, pos, activation):
