@@ -1,0 +1,30 @@
+"""The end-to-end generator benchmark (``benchmarks/generate_throughput.py``) runs its BI mode against a real
+``vllm serve`` on CPU and writes a measured row: the GPU sessions that use it have no time for a broken
+script. (Its numbers on CPU mean nothing; the script itself checks every phase returned the token count
+asked for.)"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.server
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_generate_throughput_writes_a_measured_row(tiny_model_path, tmp_path):
+    out = tmp_path / "e2e.md"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "generate_throughput.py"), "--model",
+           tiny_model_path("qwen3.5"), "--modes", "recurrent", "--requests", "3", "--prompt-len", "24",
+           "--max-tokens", "5", "--server-args", "--gpu-memory-utilization 0.3", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    text = out.read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| recurrent |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    prefill_tok_s, gen_tok_s = float(cells[1]), float(cells[3])
+    assert prefill_tok_s > 0 and gen_tok_s > 0, row
+    assert "command: " in text and re.search(r"3 concurrent requests, 24-token prompts, 5 generated", text)
