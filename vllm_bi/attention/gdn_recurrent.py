@@ -338,7 +338,7 @@ def causal_conv1d_varlen(
     W = weight.shape[-1]
     N = len(cu_seqlens) - 1
     T, D = x.shape
-    cu, seq, pos, dev = _conv_index(tuple(int(c) for c in cu_seqlens), W, str(x.device))
+    dev = _conv_index(tuple(int(c) for c in cu_seqlens), W, str(x.device))
     states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
     old = states_x[dev[1]]
     new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)
@@ -348,15 +348,16 @@ def causal_conv1d_varlen(
 
         y = CausalConv1dTriton.apply(x, weight, conv_states, *dev[3:], activation is not None)
     else:
-        y = _conv_torch(x, weight, conv_states, cu, seq, pos, activation)
+        y = _conv_torch(x, weight, conv_states, dev[3], activation)
     return y, new_states
 
 
 @functools.lru_cache(maxsize=_INDEX_CACHE)
 def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
-    """The conv's indices for one batch layout (built once, shared, read only): ``cu``, each token's sequence
-    and position (host), and on ``device`` the rows of the new conv states (from x, from the old state, which
-    of the two) and, on CUDA, the Triton kernel's per-token sequence, position, per-sequence start and length."""
+    """The conv's indices for one batch layout (built once, shared, read only), on ``device``: the rows of the
+    new conv states (from x, from the old state, which of the two), then on CUDA the Triton kernel's per-token
+    sequence and position and per-sequence start and length, elsewhere the torch path's rows of
+    ``[all conv states; x]`` for every tap (``_conv_torch``)."""
     N = len(cu_seqlens) - 1
     cu = torch.tensor(cu_seqlens, dtype=torch.long)
     T = int(cu[-1])
@@ -370,21 +371,23 @@ def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
     in_x = e >= W - 1
     x_row = (cu[jj] + e - (W - 1)).clamp(0, max(T - 1, 0))
     st_row = jj * (W - 1) + e.clamp(max=W - 2)
-    host = [x_row, st_row, in_x.long()] + ([seq, pos, cu[:-1], lens] if device.startswith("cuda") else [])
-    dev = host_to(torch.cat(host), device).split([h.numel() for h in host])
-    return cu, seq, pos, dev
+    if device.startswith("cuda"):
+        host = [x_row, st_row, in_x.long(), seq, pos, cu[:-1], lens]
+    else:
+        # src = [all conv states; x]; ext_j[i] is src[j*(W-1) + i] for i < W-1, else src[N*(W-1) + cu_j + i - (W-1)]
+        i = torch.cat([pos + w for w in range(W)])
+        j = seq.repeat(W)
+        host = [x_row, st_row, in_x.long(), torch.where(i < W - 1, j * (W - 1) + i, N * (W - 1) + cu[j] + i - (W - 1))]
+    return host_to(torch.cat(host), device).split([h.numel() for h in host])
 
 
-def _conv_torch(x, weight, conv_states, cu, seq, pos, activation):
-    """The conv of :func:`causal_conv1d_varlen` in differentiable torch ops (one gather per tap)."""
+def _conv_torch(x, weight, conv_states, idx, activation):
+    """The conv of :func:`causal_conv1d_varlen` in differentiable torch ops: one gather per tap from
+    ``src = [all conv states; x]``, rows ``idx`` (tap w's rows at ``w*T .. (w+1)*T``, from ``_conv_index``)."""
     W = weight.shape[-1]
-    N = cu.numel() - 1
+    N = conv_states.shape[0]
     T, D = x.shape
-    # src = [all conv states; x]; ext_j[i] is src[j*(W-1) + i] for i < W-1, else src[N*(W-1) + cu_j + i - (W-1)]
     src = torch.cat([conv_states.to(x.dtype).reshape(N * (W - 1), D), x])
-    i = torch.cat([pos + w for w in range(W)])
-    j = seq.repeat(W)
-    idx = torch.where(i < W - 1, j * (W - 1) + i, N * (W - 1) + cu[j] + i - (W - 1)).to(x.device)
     xe = src.float()
     w32 = weight.float()
     acc = xe[idx[0:T]] * w32[:, 0]

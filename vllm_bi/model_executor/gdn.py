@@ -180,12 +180,13 @@ def step_plan(md, dev) -> StepPlan | None:
 
 def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: torch.Tensor | None,
                  transposed: bool) -> torch.Tensor:
-    """``cache[slot_t]`` with the rows ``fresh`` (device indices, or None) zeroed, in one gather. ``transposed``: gather through the
-    view with the last two dims swapped and return that copy seen through the swap again, so the result has
-    ``cache[slot_t]``'s shape and values while its memory holds the swapped layout. On CUDA the fp32 state is
-    gathered so: fla-core's kernels keep ``[HV, K, V]``, so they take
-    that memory as it is instead of transposing another copy (a 256-request decode of Qwen3.5-9B moves
-    537 MB per state copy). Values are copied, never computed, so the layout changes no bit."""
+    """``cache[slot_t]`` with the rows ``fresh`` (device indices, or None) zeroed, in one gather.
+
+    ``transposed``: gather through the view with the last two dims swapped and return that copy seen through
+    the swap again, so the result has ``cache[slot_t]``'s shape and values while its memory holds the swapped
+    layout. On CUDA the fp32 state is gathered so: fla-core's kernels keep ``[HV, K, V]``, so they take that
+    memory as it is instead of transposing another copy (a 256-request decode of Qwen3.5-9B moves 537 MB per
+    state copy). Values are copied, never computed, so the layout changes no bit."""
     if transposed:  # index_select writes its result contiguous (advanced indexing keeps the source's strides)
         out = torch.index_select(cache.transpose(-1, -2), 0, slot_t).transpose(-1, -2)
     else:

@@ -44,6 +44,11 @@ if triton is not None:
         return tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
 
     @triton.jit
+    def wtap(w_ptr, d, md, w, W: tl.constexpr):
+        # weight[d, w] as fp32
+        return tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+
+    @triton.jit
     def rows(seq_ptr, pos_ptr, start_ptr, T, D, BT: tl.constexpr, BD: tl.constexpr):
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -59,7 +64,7 @@ if triton is not None:
         t, d, mt, md, j, p, s0, dd, m = rows(seq_ptr, pos_ptr, start_ptr, T, D, BT, BD)
         acc = tl.zeros([BT, BD], dtype=tl.float32)
         for w in tl.static_range(W):
-            wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+            wv = wtap(w_ptr, d, md, w, W)
             acc += tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W) * wv[None, :]
         if SILU:
             acc = acc / (1.0 + tl.exp(-acc))
@@ -75,7 +80,7 @@ if triton is not None:
         if SILU:
             z = tl.zeros([BT, BD], dtype=tl.float32)
             for w in tl.static_range(W):
-                wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+                wv = wtap(w_ptr, d, md, w, W)
                 z += tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W) * wv[None, :]
             sg = 1.0 / (1.0 + tl.exp(-z))
             dz = dz * sg * (1.0 + z * (1.0 - sg))
@@ -94,10 +99,9 @@ if triton is not None:
         for w in tl.static_range(W):
             q = p + (W - 1 - w)
             g = tl.load(dz_ptr + (s0 + q)[:, None] * D + dd, mask=m & (q < n)[:, None], other=0.0)
-            wv = tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
+            wv = wtap(w_ptr, d, md, w, W)
             acc += g * wv[None, :]
         tl.store(dx_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(dx_ptr.dtype.element_ty), mask=m)
-
 
 
 def _kernels():
