@@ -14,8 +14,12 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   - recurrent / chunk kernel: vllm_bi's recurrence alone on the same q/k/v/g/beta
     (``gdn_recurrent_varlen``: fla-core fused recurrent; ``gdn_chunk_varlen``: fla-core chunked, two launches,
     pinned configs), explicit fp32 states;
-  - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: the packed conv in torch +
-    gating + the recurrence);
+  - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: the packed conv +
+    gating + the recurrence), states passed in ``[N, HV, V, K]`` memory (one transposing copy for fla-core);
+  - recurrent / chunk server: ``gdn.bi_gdn_core``, the server's glue around that core for one layer and
+    one step: states and conv states gathered from cache slots and stored back (the chunk mode: the partial
+    block assembled from the conv history). Stock's vLLM kernels read and write the cache in place, which
+    the stock column (states passed directly) matches;
   - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
     ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
@@ -136,6 +140,45 @@ def time_stock_forward(shape: Shape, dev: str, reps: int) -> float:
                  reps)
 
 
+def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
+    """The server's GDN glue for one layer and one scheduler step, ``gdn.bi_gdn_core`` as vLLM calls it: the
+    states and conv states gathered from shuffled cache slots (new requests zeroed), the core, the states
+    stored back; in the chunk mode decode also assembles the partial block from the widened conv history
+    (``shape.chunk_lens`` - 1 cached rows per sequence) and stores the new history. The step's plan (the host
+    reads of the scheduler metadata and the index tensors) is built on the first call and then shared, as
+    the server shares it between the model's GDN layers."""
+    import types
+    from unittest import mock
+
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.model_executor import gdn as G
+
+    N, T = len(shape.lens), sum(shape.lens)
+    mixed, conv_w, A_log, a, b, dt_bias = _inputs(shape.lens, dev)
+    dim_first = is_conv_state_dim_first()
+    rows, width = (CHUNK - 1 + W - 1, D + 2 * HV) if mode == "chunk" else (W - 1, D)
+    conv = torch.randn(2 * N, *((width, rows) if dim_first else (rows, width)), device=dev).bfloat16()
+    ssm = torch.randn(2 * N, HV, V, K, device=dev) * 0.1
+    layer = types.SimpleNamespace(
+        kv_cache=(conv, ssm), conv1d=types.SimpleNamespace(weight=conv_w[:, None, :]), num_k_heads=H, tp_size=1,
+        head_k_dim=K, head_v_dim=V, A_log=A_log, dt_bias=dt_bias, activation="silu", prefix="bench")
+    qsl = [0, *torch.tensor(shape.lens).cumsum(0).tolist()]
+    partial = shape.chunk_lens[0] - shape.lens[0]  # decode: tokens since the last boundary
+    computed = [4 * CHUNK + partial if shape.decode else 0] * N
+    md = types.SimpleNamespace(
+        num_actual_tokens=T, num_spec_decodes=0, spec_sequence_masks=None,
+        non_spec_query_start_loc=torch.tensor(qsl, device=dev),
+        non_spec_state_indices_tensor=torch.randperm(2 * N)[:N].to(dev),
+        num_decodes=N if shape.decode else 0, num_prefills=0 if shape.decode else N,
+        has_initial_state=torch.tensor([shape.decode] * N, device=dev),
+        vllm_bi_num_computed=torch.tensor(computed, device=dev))
+    out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
+    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
+        return timed(lambda: G.bi_gdn_core(layer, mixed, b, a, out), reps)
+
+
 def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
     """(kernel alone, whole BI core) milliseconds in ``mode``."""
     lens = shape.chunk_lens if mode == "chunk" else shape.lens
@@ -222,14 +265,16 @@ def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> Non
     # stock first: the chunk mode pins fla-core's kernels process-wide, which would change the stock runs
     stock = {sh.label: time_stock_forward(sh, dev, reps) for sh in shapes}
     rep.add("| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
-            "chunk core | ratio |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            "chunk core | ratio | recurrent server | ratio | chunk server | ratio |",
+            "| --- |" + " ---: |" * 13)
     tuned = _autotuned()
     for sh in shapes:
         rk, rc = time_bi_forward(sh, "recurrent", dev, reps)
         ck, cc = time_bi_forward(sh, "chunk", dev, reps)
+        rs, cs = time_server_core(sh, "recurrent", dev, reps), time_server_core(sh, "chunk", dev, reps)
         s = stock[sh.label]
-        rep.add(f"| {sh.label} | {s:.3f} | {rk:.3f} | {rk / s:.2f}x | {ck:.3f} | {ck / s:.2f}x | "
-                f"{rc:.3f} | {rc / s:.2f}x | {cc:.3f} | {cc / s:.2f}x |")
+        rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, rs, cs))
+                + " |")
     _configs(rep, tuned)
 
 

@@ -56,24 +56,35 @@ def reference(layer, dim_first, out):
         conv_cache[slot] = (new_c.transpose(0, 1) if dim_first else new_c).to(conv_cache.dtype)
 
 
+def kv_order(ssm):
+    """The same states with each slot's memory in fla-core's [HV, K, V] order (CUDA's slots), shape kept."""
+    return ssm.transpose(-1, -2).contiguous().reshape(ssm.shape)
+
+
+@pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
-def test_server_glue_matches_per_sequence_reference(dim_first):
+def test_server_glue_matches_per_sequence_reference(dim_first, kv_layout):
+    """kv-slots: the CUDA state layout (gdn.state_memory) exercised on CPU: states read from and written to
+    slots whose memory is in [HV, K, V] order give the same outputs and the same state values."""
     l1 = mk(dim_first)
     l2 = types.SimpleNamespace(**vars(l1))
-    l2.kv_cache = (l1.kv_cache[0].clone(), l1.kv_cache[1].clone())
+    ssm = l1.kv_cache[1]
+    l2.kv_cache = (l1.kv_cache[0].clone(), kv_order(ssm) if kv_layout else ssm.clone())
     o1 = torch.zeros(T, HV, V, dtype=torch.bfloat16)
     o2 = o1.clone()
     reference(l1, dim_first, o1)
     with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
-            mock.patch.object(G, "_metadata", return_value=md):
+            mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "_kv_layout", return_value=kv_layout):
         G.bi_gdn_core(l2, x, b, a, o2)
     assert o1.abs().sum() > 0
     assert torch.equal(o1, o2)
-    assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(l1.kv_cache[1], l2.kv_cache[1])
+    want = kv_order(l1.kv_cache[1]) if kv_layout else l1.kv_cache[1]
+    assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(want, l2.kv_cache[1])
 
 
+@pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
-def test_chunk_glue_resumes_exactly(dim_first):
+def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
     """Chunk-aligned mode: three requests served over four scheduler steps (prefills split at unaligned
     offsets, decodes across a 64-token boundary, from a widened conv-state slot holding the raw inputs since
     the boundary) give exactly the outputs of the trainer's call, ``gdn_varlen(mode="chunk")`` over the
@@ -107,7 +118,8 @@ def test_chunk_glue_resumes_exactly(dim_first):
         cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
         o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
         with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
-                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="chunk"):
+                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
+                mock.patch.object(G, "_kv_layout", return_value=kv_layout):
             G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
         for j, i in enumerate(reqs):
             outs[i].append(o[qsl[j] : qsl[j + 1]])
@@ -122,21 +134,40 @@ def test_chunk_glue_resumes_exactly(dim_first):
         assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_gather_slots_copies_values_and_zeroes_new_requests(transposed):
-    """The state gather of the server glue: ``cache[slots]`` with new requests' rows zeroed, in the cache's
-    layout or (CUDA) stored swapped for fla-core; the values are the same bits either way."""
+@pytest.mark.parametrize("kv_layout", [False, True])
+def test_gather_slots_copies_values_and_zeroes_new_requests(kv_layout):
+    """The state gather of the server glue: ``cache[slots]`` with new requests' rows zeroed, from slots in the
+    cache's order or (CUDA) in fla-core's [HV, K, V] order; the gathered values are the same bits."""
     from vllm_bi.model_executor.gdn import gather_slots
 
-    cache = torch.randn(6, 3, 4, 5)
+    states = torch.randn(6, 3, 4, 5)
+    cache = kv_order(states) if kv_layout else states.clone()
     before = cache.clone()
     slots = torch.tensor([4, 0, 2])
-    got = gather_slots(cache, slots, torch.tensor([1]), transposed)
-    want = cache[slots].clone()
+    got = gather_slots(cache, slots, torch.tensor([1]), kv_layout)
+    want = states[slots].clone()
     want[1] = 0
     assert got.shape == want.shape and torch.equal(got, want)
-    assert got.transpose(-1, -2).is_contiguous() == transposed
+    assert got.transpose(-1, -2).is_contiguous() == kv_layout  # fla-core takes it without a copy
     assert torch.equal(cache, before)  # the cache itself is untouched (slot 0 holds the zeroed request)
+
+
+def test_store_slots_writes_in_place_through_padded_slots():
+    """vLLM allocates state slots inside larger pages (slot stride > HV * V * K): the kv-order view must
+    still be the cache's own memory, so stores land in it; a cache whose slot rows are not contiguous is
+    refused rather than written through a copy."""
+    from vllm_bi.model_executor.gdn import gather_slots, state_memory, store_slots
+
+    pages = torch.zeros(5, 3 * 4 * 5 + 7)  # 7 floats of padding per slot
+    cache = pages[:, : 3 * 4 * 5].unflatten(-1, (3, 4, 5))  # [slots, HV=3, V=4, K=5]
+    new = torch.randn(2, 3, 4, 5)
+    slots = torch.tensor([3, 1])
+    store_slots(cache, slots, new, kv_layout=True)
+    assert torch.equal(state_memory(cache, True)[slots], new.transpose(-1, -2))
+    assert torch.equal(gather_slots(cache, slots, None, True), new)
+    assert pages[:, 60:].abs().sum() == 0 and pages[[0, 2, 4]].abs().sum() == 0  # only the two slots written
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        state_memory(cache.transpose(-1, -2), True)
 
 
 def test_step_plan_is_read_once_per_step():

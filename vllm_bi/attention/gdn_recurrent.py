@@ -479,6 +479,10 @@ def gdn_varlen(
         core = gdn_recurrent_varlen
     else:
         raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
+    if not states.is_cuda:
+        # the torch cores' matmuls pick their kernels (and so their bits) by the state's strides: one
+        # layout, whatever memory the caller's states sit in (CUDA's fla-core path makes its own copy)
+        states = states.contiguous()
     o, finals = core(q, k, v, g.contiguous(), beta.contiguous(), states, cu)
     if packed:
         return o, new_conv, finals

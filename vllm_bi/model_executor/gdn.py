@@ -116,20 +116,21 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     dev = mixed_qkv.device
     slot_t, ranges = plan.slot_t, plan.ranges
     dim_first = is_conv_state_dim_first()
-    conv_states = gather_slots(conv_cache, slot_t, plan.fresh, transposed=False)
+    conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
         conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    states = gather_slots(ssm_cache, slot_t, plan.fresh, transposed=dev.type == "cuda")  # [N, HV, V, K]
+    kv_layout = _kv_layout(dev)
+    states = gather_slots(ssm_cache, slot_t, plan.fresh, kv_layout)  # [N, HV, V, K]
     if gdn_mode() == "chunk":
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, states, conv_cache, ssm_cache, weight,
-                    dim_first)
+                    dim_first, kv_layout)
         return
     o, new_conv, new_states = gdn_varlen(
         mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
         layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation, packed=True,
     )
     out[plan.rows] = o.to(out.dtype)
-    ssm_cache[slot_t] = new_states
+    store_slots(ssm_cache, slot_t, new_states, kv_layout)
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
@@ -178,17 +179,41 @@ def step_plan(md, dev) -> StepPlan | None:
     return result
 
 
+def _kv_layout(dev: torch.device) -> bool:
+    """Whether the state slots hold fla-core's ``[HV, K, V]`` order (:func:`state_memory`): on CUDA, where
+    fla-core's kernels take and return states so; CPU's torch core keeps vLLM's ``[HV, V, K]``."""
+    return dev.type == "cuda"
+
+
+def state_memory(cache: torch.Tensor, kv_layout: bool) -> torch.Tensor:
+    """The fp32 state cache ``[slots, HV, V, K]`` as the core keeps it in memory.
+
+    ``kv_layout`` (CUDA): each slot's memory holds the state in fla-core's ``[HV, K, V]`` order; the same
+    memory is returned seen with that shape, so gathering and storing slots are contiguous copies and no
+    transposing copy of the states is ever made (a 256-request decode of Qwen3.5-9B moves 537 MB per copy).
+    vLLM only allocates, copies and zeroes whole slots (prefix caching copies them between blocks), and
+    every read and write of the values goes through :func:`gather_slots` and :func:`store_slots`, so the
+    order inside a slot is this module's choice. Values are copied, never computed: no bit changes."""
+    if not kv_layout:
+        return cache
+    V, K = cache.shape[-2], cache.shape[-1]
+    if cache.stride(-1) != 1 or cache.stride(-2) != K:
+        raise RuntimeError(f"vllm_bi: the GDN state cache's slots are not contiguous (strides {cache.stride()}); "
+                           "the batch-invariant GDN path needs vLLM's standard state layout")
+    kv = cache.flatten(-2).unflatten(-1, (K, V))
+    if kv.data_ptr() != cache.data_ptr():  # a copy would silently drop every store
+        raise RuntimeError("vllm_bi: could not view the GDN state cache in place")
+    return kv
+
+
 def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: torch.Tensor | None,
-                 transposed: bool) -> torch.Tensor:
+                 kv_layout: bool = False) -> torch.Tensor:
     """``cache[slot_t]`` with the rows ``fresh`` (device indices, or None) zeroed, in one gather.
 
-    ``transposed``: gather through the view with the last two dims swapped and return that copy seen through
-    the swap again, so the result has ``cache[slot_t]``'s shape and values while its memory holds the swapped
-    layout. On CUDA the fp32 state is gathered so: fla-core's kernels keep ``[HV, K, V]``, so they take that
-    memory as it is instead of transposing another copy (a 256-request decode of Qwen3.5-9B moves 537 MB per
-    state copy). Values are copied, never computed, so the layout changes no bit."""
-    if transposed:  # index_select writes its result contiguous (advanced indexing keeps the source's strides)
-        out = torch.index_select(cache.transpose(-1, -2), 0, slot_t).transpose(-1, -2)
+    ``kv_layout``: the slots hold fla-core's ``[HV, K, V]`` order (:func:`state_memory`); the result is
+    the contiguous ``[N, HV, K, V]`` gather seen as ``[N, HV, V, K]``, which is how the core takes states."""
+    if kv_layout:
+        out = torch.index_select(state_memory(cache, True), 0, slot_t).transpose(-1, -2)
     else:
         out = cache[slot_t]
     if fresh is not None:
@@ -196,7 +221,18 @@ def gather_slots(cache: torch.Tensor, slot_t: torch.Tensor, fresh: torch.Tensor 
     return out
 
 
-def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, ssm_cache, weight, dim_first):
+def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor, kv_layout: bool = False) -> None:
+    """``cache[slot_t] = states`` (``states [N, HV, V, K]``); with ``kv_layout`` the inverse of
+    :func:`gather_slots`: the states go into the slots in ``[HV, K, V]`` order, contiguous when ``states``
+    came from fla-core (its final states are ``[N, HV, K, V]`` seen transposed)."""
+    if kv_layout:
+        state_memory(cache, True).index_copy_(0, slot_t, states.transpose(-1, -2))
+    else:
+        cache[slot_t] = states
+
+
+def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, ssm_cache, weight, dim_first,
+                kv_layout):
     """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
     request's last block boundary (``ssm_cache``; here ``boundary``) and, in the widened conv cache (here
     ``hist [N, rows, D + 2 HV]``), the last ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its
@@ -219,7 +255,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
         layer.activation, mode="chunk", packed=True,
     )
     out[plan.rows] = o[ix.keep_rows].to(out.dtype)
-    ssm_cache[plan.slot_t] = finals
+    store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
     if dim_first:
         new_hist = new_hist.transpose(1, 2)
     conv_cache[plan.slot_t] = new_hist.to(conv_cache.dtype)
