@@ -43,6 +43,9 @@ def test_precedence_and_errors(tmp_path):
         parse_args(["--steps", "ten"])
     with pytest.raises(ConfigError, match="--model: with --server-url"):
         parse_args(["--server-url", "http://x"])
+    assert parse_args(["--save-every", "0"]).save_every == 0
+    with pytest.raises(ConfigError, match="--save-every: must be >= 0"):
+        parse_args(["--save-every", "-1"])
     r = subprocess.run([sys.executable, "-m", "vllm_bi.trainer", "--max-staleness", "-1"], capture_output=True, text=True)
     assert r.returncode == 2 and "--max-staleness: must be >= 0" in r.stderr
 
@@ -84,3 +87,12 @@ def test_group_advantages_and_clip():
     # min(r*A, clip(r)*A): 1.28, -0.8, 1.0, -1.1 -> mean 0.095, loss = -mean
     assert math.isclose(float(loss), -(1.28 - 0.8 + 1.0 - 1.1) / 4, rel_tol=1e-6)
     assert st["clipped"] == 2
+
+
+def test_checkpoint_schedule():
+    """--save-every N: at step 0, every N steps and at the end; 0: never (large models' full checkpoints)."""
+    from vllm_bi.trainer.loop import checkpoint_due
+
+    assert [d for d in range(8) if checkpoint_due(3, d, 7)] == [0, 3, 6, 7]
+    assert [d for d in range(5) if checkpoint_due(1, d, 4)] == [0, 1, 2, 3, 4]
+    assert not any(checkpoint_due(0, d, 4) for d in range(5))

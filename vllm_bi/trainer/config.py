@@ -69,7 +69,9 @@ class TrainerConfig:
                                                    "proves the gap is staleness only; costs a forward per step)")
     keep_weight_versions: int = _f(0, "weight versions to keep under RUN_DIR/weights (0 = max_staleness + 1)")
     # ---- checkpoints and logging
-    save_every: int = _f(1, "checkpoint every N steps (and at the end, and on a clean error)")
+    save_every: int = _f(1, "checkpoint every N steps (and at step 0 and at the end); 0: never (a cut run "
+                            "starts again from the base model). A checkpoint holds the full fp32 masters and "
+                            "AdamW moments: 12 bytes per parameter, gathered on the first rank")
     resume: bool = _f(True, "continue from RUN_DIR/checkpoint when it exists")
     tensorboard: bool = _f(True, "also write TensorBoard events to RUN_DIR/tb (needs the tensorboard package)")
     progress: bool = _f(True, "show a progress bar")
@@ -78,9 +80,11 @@ class TrainerConfig:
         def bad(opt, msg):
             raise ConfigError(f"--{opt.replace('_', '-')}: {msg}")
 
-        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_seqs", "save_every"):
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_seqs"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0:
+            bad("save_every", f"must be >= 0 (0: no checkpoints), got {self.save_every}")
         if self.group_size < 2:
             bad("group_size", "GRPO needs at least 2 samples per prompt to normalise advantages")
         if self.max_staleness < 0:

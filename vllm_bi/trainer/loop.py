@@ -206,11 +206,20 @@ def _ckpt_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoint")
 
 
+def checkpoint_due(save_every: int, done: int, steps: int) -> bool:
+    """Whether to checkpoint after ``done`` of ``steps`` steps: at 0, every ``save_every`` and at the end;
+    never with ``save_every`` 0."""
+    return bool(save_every) and (done == 0 or done % save_every == 0 or done == steps)
+
+
 def save_checkpoint(run_dir: str, policy: Policy, step: int, cfg: TrainerConfig) -> None:
-    """Atomic: ``checkpoint/state.pt`` then ``meta.json``. Every rank calls it (gathers); rank 0 writes."""
+    """Atomic: ``checkpoint/state.pt`` then ``meta.json``. Every rank calls it (gathers); rank 0 writes.
+    Logs its size and time: the full fp32 masters and AdamW moments are 12 bytes per parameter."""
+    t0 = time.perf_counter()
     policy_state = policy.state_dict()
     if not policy.dist.main:
         return
+    t_gather = time.perf_counter() - t0
     d = _ckpt_dir(run_dir)
     os.makedirs(d, exist_ok=True)
     state = {
@@ -227,6 +236,8 @@ def save_checkpoint(run_dir: str, policy: Policy, step: int, cfg: TrainerConfig)
     with open(os.path.join(d, "meta.json.tmp"), "w") as f:
         json.dump(meta, f)
     os.replace(os.path.join(d, "meta.json.tmp"), os.path.join(d, "meta.json"))
+    logger.info("checkpoint of step %d: %.2f GB in %.1f s (gathering %.1f s); --save-every sets how often",
+                step, os.path.getsize(os.path.join(d, "state.pt")) / 1e9, time.perf_counter() - t0, t_gather)
 
 
 def load_checkpoint(run_dir: str, policy: Policy, cfg: TrainerConfig) -> int | None:
@@ -299,7 +310,9 @@ def _start_server(cfg: TrainerConfig, model_dir: str):
     for k in [k for k in env if k in _TORCHRUN_ENV or k.startswith("TORCHELASTIC_")]:
         del env[k]  # the server is not part of the trainer's process group
     srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log)
+    t0 = time.perf_counter()
     srv.start()
+    logger.info("server ready in %.0f s", time.perf_counter() - t0)
     with open(os.path.join(cfg.run_dir, "server.pid"), "w") as f:
         f.write(str(srv.proc.pid))
     return srv
@@ -388,9 +401,13 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
+    t0 = time.perf_counter()
     model = GDNHybridForCausalLM.from_pretrained(model_dir).to(dist.device)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
+    if dist.main:
+        logger.info("trainer model ready on %s (%d process(es)) in %.1f s", dist.device, dist.world,
+                    time.perf_counter() - t0)
     start = (load_checkpoint(cfg.run_dir, policy, cfg) if cfg.resume else None)
     resumed = start is not None
     start = start or 0
@@ -406,6 +423,8 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     saved_at = start if resumed else -1
 
     def where() -> str:
+        if not cfg.save_every:
+            return "Checkpoints are off (--save-every 0): a rerun starts again from the base model."
         return (f"The run is resumable: rerun the same command to continue from step {saved_at} "
                 f"({os.path.join(cfg.run_dir, 'checkpoint')}).")
 
@@ -422,7 +441,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
         state = model.hf_state_dict()
         _on_main(dist, lambda: sync.push(model, start, state), share=False)
-        if not resumed:
+        if not resumed and checkpoint_due(cfg.save_every, 0, cfg.steps):
             save_checkpoint(cfg.run_dir, policy, 0, cfg)
             saved_at = 0
         if dist.main:
@@ -478,7 +497,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
 
             row = _on_main(dist, publish)
             rows.append(row)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            if checkpoint_due(cfg.save_every, step + 1, cfg.steps):
                 save_checkpoint(cfg.run_dir, policy, step + 1, cfg)
                 saved_at = step + 1
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}", diff=f"{row['bit_wise/logprob_diff/max']:.3g}")
