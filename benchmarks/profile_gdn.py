@@ -1,8 +1,11 @@
 """Where the time of vllm_bi's GDN core goes, on CUDA: a per-step breakdown of ``gdn_varlen`` and a
 torch.profiler table, at Qwen3.5-9B GDN dimensions (see gdn_layer.py).
 
-    python benchmarks/profile_gdn.py [--shapes prefill:8x8192,decode:256x1] [--modes recurrent,chunk]
+    python benchmarks/profile_gdn.py [--shapes prefill:8x8192,decode:256x1,train:1x4096] [--modes recurrent,chunk]
         [--out profile.md]
+
+A ``train:BxT`` shape breaks the trainer's forward + backward down instead: the whole core's forward and
+forward + backward, then the conv and the recurrence each alone (forward + backward), for stock and BI.
 
 Per shape and mode: median ms (CUDA events) of each step of the core as ``gdn_varlen`` runs it (row
 gather, conv, q/k/v split, gating, the recurrence) and of the whole call, and the 10 ops with the most self
@@ -113,6 +116,59 @@ def breakdown(lens, mode, dev, reps):
     return times, by_cuda, by_cpu
 
 
+def train_breakdown(lens, mode, dev, reps):
+    """Trainer forward + backward of the core (gdn_layer.py --part train's step), split into the conv
+    (forward + backward alone) and the recurrence (forward + backward alone, on leaf q/k/v/g/beta)."""
+    N = len(lens)
+    mixed, conv_w, A_log, a, b, dt_bias = _inputs(lens, dev, grad=True)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    loss = lambda o: o.float().square().mean()  # noqa: E731
+    if mode == "stock":
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        conv0, st = torch.zeros(N, D, W, device=dev, dtype=torch.bfloat16), torch.zeros(N, HV, K, V, device=dev)
+        cu_t = torch.tensor(cu, device=dev)
+        whole = lambda: stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st, decode=False)[0]  # noqa: E731
+        conv = lambda: causal_conv1d(mixed[None], conv_w, initial_state=conv0, activation="silu", cu_seqlens=cu_t)[0]  # noqa: E731
+
+        def rec(q, k, v, g, beta):
+            return chunk_gated_delta_rule(q=q[None], k=k[None], v=v[None], g=g[None], beta=beta[None],
+                                          scale=K**-0.5, initial_state=st, output_final_state=True, cu_seqlens=cu_t,
+                                          use_qk_l2norm_in_kernel=True)[0]
+    else:
+        conv_states = torch.zeros(N, W - 1, D, device=dev, dtype=torch.bfloat16)
+        states = torch.zeros(N, HV, V, K, device=dev)
+        whole = lambda: gr.gdn_varlen(mixed, _ranges(lens), conv_w, conv_states, A_log, a, b, dt_bias, states,  # noqa: E731
+                                      H, K, V, mode=mode, packed=True)[0]
+        conv = lambda: gr.causal_conv1d_varlen(mixed, cu, conv_w, conv_states)[0]  # noqa: E731
+        core = gdn_chunk_varlen if mode == "chunk" else gr.gdn_recurrent_varlen
+
+        def rec(q, k, v, g, beta):
+            return core(q, k, v, g, beta, states, cu)[0]
+    with torch.no_grad():
+        x = conv().reshape(-1, D)
+    T = x.shape[0]
+    leaves = [x[:, :KEY].reshape(T, H, K).contiguous(), x[:, KEY:2 * KEY].reshape(T, H, K).contiguous(),
+              x[:, 2 * KEY:].reshape(T, HV, V).contiguous(), *gr.gdn_gating(A_log, a, b, dt_bias)]
+    leaves = [t.detach().float().requires_grad_(True) if i == 3 else t.detach().requires_grad_(True)
+              for i, t in enumerate(leaves)]
+    steps = {
+        "whole core, forward (with autograd graph)": whole,
+        "whole core, forward + backward": lambda: loss(whole()).backward(),
+        "conv, forward + backward": lambda: loss(conv()).backward(),
+        "recurrence, forward + backward": lambda: loss(rec(*leaves)).backward(),
+    }
+    times = {}
+    for name, fn in steps.items():
+        try:
+            times[name] = f"{timed(fn, reps, warmup=2):.3f}"
+        except Exception as e:  # noqa: BLE001 - e.g. fla-core refusing its backward here; the table says so
+            times[name] = "error: " + str(e).splitlines()[0][:80]
+    by_cuda, by_cpu = _profile(steps["whole core, forward + backward"])
+    return times, by_cuda, by_cpu
+
+
 def conv_tilings(spec: str, reps: int) -> dict[str, float]:
     """Median ms of the Triton conv kernel at 8 x 8192 tokens (9B width) for each tiling in ``spec``."""
     from vllm_bi.ops.conv import triton_causal_conv1d
@@ -150,9 +206,10 @@ def main() -> None:
         for spec in args.shapes.split(","):
             label, dims = spec.split(":")
             n, t = (int(x) for x in dims.split("x"))
-            if mode == "stock" and label != "prefill":
+            if mode == "stock" and label == "decode":
                 continue
-            times, by_cuda, by_cpu = breakdown([t] * n, mode, "cuda", args.reps)
+            fn = train_breakdown if label == "train" else breakdown
+            times, by_cuda, by_cpu = fn([t] * n, mode, "cuda", args.reps)
             block = [f"## {label} {n}x{t}, {mode}", "", "| step | ms |", "| --- | ---: |",
                      *[f"| {k} | {v} |" for k, v in times.items()], "", "```", by_cuda, by_cpu, "```", ""]
             lines += block
