@@ -87,7 +87,8 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-tp"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
         ],
-        # no checkpoints: at 9b-dims each is ~10 GB gathered on rank 0 (session 6: a step then took minutes)
+        # no checkpoints: ~10 GB each at 9b-dims (session 6: gathered on rank 0, a step then took minutes); the
+        # small FSDP2 job above still writes its sharded checkpoints every step
         "fsdp2-big": [Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--save-every", "0", "--model", m["qwen3.5-9b"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2)],

@@ -70,8 +70,8 @@ class TrainerConfig:
     keep_weight_versions: int = _f(0, "weight versions to keep under RUN_DIR/weights (0 = max_staleness + 1)")
     # ---- checkpoints and logging
     save_every: int = _f(1, "checkpoint every N steps (and at step 0 and at the end); 0: never (a cut run "
-                            "starts again from the base model). A checkpoint holds the full fp32 masters and "
-                            "AdamW moments: 12 bytes per parameter, gathered on the first rank")
+                            "starts again from the base model). A checkpoint holds the fp32 masters and AdamW "
+                            "moments, 12 bytes per parameter, each process writing its own shards")
     resume: bool = _f(True, "continue from RUN_DIR/checkpoint when it exists")
     tensorboard: bool = _f(True, "also write TensorBoard events to RUN_DIR/tb (needs the tensorboard package)")
     progress: bool = _f(True, "show a progress bar")

@@ -101,18 +101,3 @@ class Dist:
             except RuntimeError:
                 pass  # a peer is gone already (it failed); nothing left to wait for
             dist.destroy_process_group()
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) parameter or state; a collective under FSDP."""
-    return t.full_tensor() if _is_dtensor(t) else t
-
-
-def like(full_tensor: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``full_tensor`` laid out like ``ref`` (sharded the same way when ``ref`` is a DTensor)."""
-    if _is_dtensor(ref):
-        from torch.distributed.tensor import distribute_tensor
-
-        local = ref.to_local()
-        return distribute_tensor(full_tensor.to(device=local.device, dtype=ref.dtype), ref.device_mesh, ref.placements)
-    return full_tensor.to(device=ref.device, dtype=ref.dtype)

@@ -31,7 +31,7 @@ from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 from vllm_bi.parity import settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
-from vllm_bi.trainer.distributed import Dist, full, like
+from vllm_bi.trainer.distributed import Dist
 from vllm_bi.trainer.loss import clipped_surrogate, group_advantages
 from vllm_bi.trainer.metrics import MetricsWriter
 from vllm_bi.trainer.rewards import get_reward
@@ -103,22 +103,26 @@ class Policy:
                 p.copy_(m.to(p.dtype))
         return norm
 
-    def state_dict(self) -> dict:
-        """Full (gathered) fp32 masters and optimizer state; a collective under FSDP2."""
-        opt = self.opt.state_dict()
-        opt["state"] = {i: {k: full(v) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
-                        for i, st in opt["state"].items()}
-        return {"masters": {n: full(m.detach()) for n, m in zip(self.names, self.masters)}, "optim": opt}
+    def checkpoint_tensors(self, with_optim: bool) -> dict:
+        """The tensors a checkpoint holds, as this process holds them (DTensor shards under FSDP2): fp32
+        masters and, ``with_optim``, each one's AdamW state (created as zeros where the optimizer has not
+        stepped yet, so that a checkpoint's state can be loaded into them in place)."""
+        sd = {"masters": {n: m.detach() for n, m in zip(self.names, self.masters)}}
+        if with_optim:
+            for m in self.masters:
+                st = self.opt.state[m]
+                if not st:  # the layout AdamW itself creates at its first step (foreach=False, not fused)
+                    st.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+            sd["optim"] = {n: self.opt.state[m] for n, m in zip(self.names, self.masters)}
+        return sd
 
-    def load_state_dict(self, sd: dict) -> None:
+    def has_optim_state(self) -> bool:
+        return any(self.opt.state[m] for m in self.masters)
+
+    def masters_to_params(self) -> None:
         with torch.no_grad():
-            for n, p, m in zip(self.names, self.params, self.masters):
-                m.copy_(like(sd["masters"][n], m))
+            for p, m in zip(self.params, self.masters):
                 p.copy_(m.to(p.dtype))
-        opt = sd["optim"]
-        opt["state"] = {i: {k: like(v, self.masters[int(i)]).float() if torch.is_tensor(v) and v.dim() else v
-                            for k, v in st.items()} for i, st in opt["state"].items()}
-        self.opt.load_state_dict(opt)
 
 
 def completion_logprobs(model, samples, entropy: bool = False):
@@ -212,50 +216,97 @@ def checkpoint_due(save_every: int, done: int, steps: int) -> bool:
     return bool(save_every) and (done == 0 or done % save_every == 0 or done == steps)
 
 
+CHECKPOINT_FORMAT = 2  # torch.distributed.checkpoint folder per save + meta.json naming it
+
+
 def save_checkpoint(run_dir: str, policy: Policy, step: int, cfg: TrainerConfig) -> None:
-    """Atomic: ``checkpoint/state.pt`` then ``meta.json``. Every rank calls it (gathers); rank 0 writes.
-    Logs its size and time: the full fp32 masters and AdamW moments are 12 bytes per parameter."""
+    """Every rank writes its own shards (``torch.distributed.checkpoint``; no rank gathers the model) into a
+    new folder ``checkpoint/stepNNNNNN-T``; then the first rank writes the RNG states there and, atomically,
+    ``meta.json`` naming it, and removes the older folders. A run killed while saving keeps the last
+    complete checkpoint. Logs the size and the time taken."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
     t0 = time.perf_counter()
-    policy_state = policy.state_dict()
+    d = _ckpt_dir(run_dir)
+    name = policy.dist.broadcast(f"step{step:06d}-{time.time_ns()}")
+    path = os.path.join(d, name)
+    with_optim = policy.has_optim_state()
+    dcp.save(policy.checkpoint_tensors(with_optim), checkpoint_id=path, no_dist=policy.dist.world == 1)
     if not policy.dist.main:
         return
-    t_gather = time.perf_counter() - t0
-    d = _ckpt_dir(run_dir)
-    os.makedirs(d, exist_ok=True)
-    state = {
-        "policy": policy_state,
-        "step": step,
-        "version": step,
-        "data_position": step * cfg.prompts_per_step,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        "config": dataclasses.asdict(cfg),
-    }
-    torch.save(state, os.path.join(d, "state.pt.tmp"))
-    os.replace(os.path.join(d, "state.pt.tmp"), os.path.join(d, "state.pt"))
-    meta = {"step": step, "version": step, "data_position": step * cfg.prompts_per_step, "time": time.time()}
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, os.path.join(path, "rng.pt"))
+    meta = {"format": CHECKPOINT_FORMAT, "dir": name, "optim": with_optim, "step": step, "version": step,
+            "data_position": step * cfg.prompts_per_step, "world_size": policy.dist.world,
+            "config": dataclasses.asdict(cfg), "time": time.time()}
     with open(os.path.join(d, "meta.json.tmp"), "w") as f:
         json.dump(meta, f)
     os.replace(os.path.join(d, "meta.json.tmp"), os.path.join(d, "meta.json"))
-    logger.info("checkpoint of step %d: %.2f GB in %.1f s (gathering %.1f s); --save-every sets how often",
-                step, os.path.getsize(os.path.join(d, "state.pt")) / 1e9, time.perf_counter() - t0, t_gather)
+    for old in os.listdir(d):
+        if old.startswith("step") and old != name:
+            shutil.rmtree(os.path.join(d, old), ignore_errors=True)
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    logger.info("checkpoint of step %d: %.2f GB written by %d process(es) in %.1f s; --save-every sets how often",
+                step, size / 1e9, policy.dist.world, time.perf_counter() - t0)
+
+
+def _read_meta(run_dir: str) -> dict | None:
+    d = _ckpt_dir(run_dir)
+    path = os.path.join(d, "meta.json")
+    if not os.path.exists(path):
+        if os.path.exists(os.path.join(d, "state.pt")):
+            raise TrainerError(f"{d} holds a checkpoint of an older vllm_bi (state.pt); use another --run-dir, or "
+                               "--resume false to start over")
+        return None
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise TrainerError(f"{path}: checkpoint format {meta.get('format')}, this vllm_bi reads {CHECKPOINT_FORMAT}; "
+                           "use another --run-dir, or --resume false to start over")
+    return meta
 
 
 def load_checkpoint(run_dir: str, policy: Policy, cfg: TrainerConfig) -> int | None:
-    path = os.path.join(_ckpt_dir(run_dir), "state.pt")
-    if not os.path.exists(path):
+    """Resume from ``run_dir``'s checkpoint (None when there is none). The shards are read into this run's
+    layout, so a run may resume on another number of processes."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = _read_meta(run_dir)
+    if meta is None:
         return None
-    state = torch.load(path, weights_only=False, map_location="cpu")
-    old = state["config"]
+    old = meta["config"]
     for key in ("prompts_per_step", "group_size", "task", "seed", "model_family"):
         if old.get(key) != getattr(cfg, key):
             raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={old.get(key)!r}, but this run asks for "
                                f"{getattr(cfg, key)!r}: use another --run-dir, or --resume false to start over")
-    if state["data_position"] != state["step"] * cfg.prompts_per_step:
-        raise TrainerError(f"{path}: inconsistent checkpoint (data position {state['data_position']} at step {state['step']})")
-    policy.load_state_dict(state["policy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    return int(state["step"])
+    if meta["data_position"] != meta["step"] * cfg.prompts_per_step:
+        raise TrainerError(f"{run_dir}: inconsistent checkpoint (data position {meta['data_position']} at step "
+                           f"{meta['step']})")
+    path = os.path.join(_ckpt_dir(run_dir), meta["dir"])
+    dcp.load(policy.checkpoint_tensors(meta["optim"]), checkpoint_id=path, no_dist=policy.dist.world == 1)
+    policy.masters_to_params()
+    rng = torch.load(os.path.join(path, "rng.pt"), weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return int(meta["step"])
+
+
+def read_checkpoint(run_dir: str) -> dict:
+    """A checkpoint's tensors, whole, in this process (for inspection and tests): ``{"meta": ..., "masters":
+    {name: tensor}, "optim": {name: {"step", "exp_avg", "exp_avg_sq"}}}``."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    meta = _read_meta(run_dir)
+    if meta is None:
+        raise FileNotFoundError(f"no checkpoint in {run_dir}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "state.pt")
+        dcp_to_torch_save(os.path.join(_ckpt_dir(run_dir), meta["dir"]), out)
+        state = torch.load(out, weights_only=False)
+    return {"meta": meta, **state}
 
 
 # --------------------------------------------------------------------------- rollout thread

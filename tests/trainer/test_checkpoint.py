@@ -1,0 +1,156 @@
+"""Trainer checkpoints (``loop.save_checkpoint`` / ``load_checkpoint``): every process writes its own shards
+(torch.distributed.checkpoint), nothing is gathered on one rank, and a resumed policy holds exactly the saved
+masters, bf16 parameters and AdamW state, also when a checkpoint written by 2 FSDP2 processes (gloo) is
+resumed by 1. No server: the policy is stepped with made-up gradients."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.testing.server import free_port
+from vllm_bi.trainer.config import TrainerConfig
+from vllm_bi.trainer.distributed import Dist
+from vllm_bi.trainer.loop import Policy, TrainerError, load_checkpoint, read_checkpoint, save_checkpoint
+
+# one script for both sides: `save N` steps a policy N times with seeded gradients and checkpoints it;
+# `dump` resumes a fresh policy from the checkpoint and writes what it holds (whole tensors) to a file
+SCRIPT = r"""
+import sys, torch
+import torch.distributed.tensor
+from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.trainer.config import TrainerConfig
+from vllm_bi.trainer.distributed import Dist
+from vllm_bi.trainer.loop import Policy, load_checkpoint, save_checkpoint
+
+model_dir, run_dir, what = sys.argv[1:4]
+dist = Dist()
+cfg = TrainerConfig(model=model_dir, run_dir=run_dir, lr=1e-3, grad_clip=0.0)  # no norm: its sum order varies
+model = GDNHybridForCausalLM.from_pretrained(model_dir).to(dist.device)
+dist.shard(model)
+policy = Policy(model, cfg, dist)
+if what == "save":
+    g = torch.Generator().manual_seed(0)
+    for _ in range(int(sys.argv[4])):
+        for p in policy.params:  # the same whole gradient on every rank: this rank's shard of it, or, for
+            # the replicated fp32 parameters whose gradients the ranks sum, an exact 1/world of it
+            full = torch.randn(p.shape, generator=g).to(p.dtype) * 1e-2
+            p.grad = (full / dist.world if type(p).__name__ != "DTensor"
+                      else torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements))
+        policy.accumulate()
+        policy.step()
+    save_checkpoint(run_dir, policy, 2, cfg)
+else:
+    step = load_checkpoint(run_dir, policy, cfg)
+    full = lambda t: t.full_tensor() if type(t).__name__ == "DTensor" else t
+    out = {"step": step, "masters": {n: full(m.detach()) for n, m in zip(policy.names, policy.masters)},
+           "params": {n: full(p.detach()) for n, p in zip(policy.names, policy.params)},
+           "optim": {n: {k: full(v) for k, v in policy.opt.state[m].items()} for n, m in zip(policy.names, policy.masters)}}
+    if dist.main:
+        torch.save(out, sys.argv[4])
+dist.close()
+"""
+
+
+def _run(tmp_path, model_dir, run_dir, *args, procs=1):
+    script = tmp_path / "ckpt_script.py"
+    script.write_text(SCRIPT)
+    pre = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
+           str(free_port())] if procs > 1 else [sys.executable]
+    r = subprocess.run([*pre, str(script), model_dir, str(run_dir), *map(str, args)], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_path):
+    return tiny_model_path("qwen3.5")
+
+
+def test_resume_restores_masters_params_and_optimizer_exactly(model_dir, tmp_path):
+    """One process: the saved policy (2 AdamW steps) and a fresh policy resumed from its checkpoint hold
+    the same bits; a policy that was not resumed does not (the negative control)."""
+    cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path), lr=1e-3)
+
+    def policy():
+        return Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+
+    a = policy()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for p in a.params:
+            p.grad = (torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype)
+        a.accumulate()
+        a.step()
+    save_checkpoint(str(tmp_path), a, 2, cfg)
+    b, fresh = policy(), policy()
+    assert load_checkpoint(str(tmp_path), b, cfg) == 2
+    for n, ma, mb, mf, pa, pb in zip(a.names, a.masters, b.masters, fresh.masters, a.params, b.params):
+        assert torch.equal(ma, mb) and torch.equal(pa, pb), n
+        sa, sb = a.opt.state[ma], b.opt.state[mb]
+        assert set(sa) == set(sb) == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(sa[k], sb[k]) for k in sa), n
+    assert not all(torch.equal(ma, mf) for ma, mf in zip(a.masters, fresh.masters))
+    # one folder of shards named by meta.json; a second save replaces it
+    ck = tmp_path / "checkpoint"
+    meta = json.loads((ck / "meta.json").read_text())
+    assert (meta["step"], meta["optim"], meta["world_size"]) == (2, True, 1)
+    assert [d for d in os.listdir(ck) if d.startswith("step")] == [meta["dir"]]
+    save_checkpoint(str(tmp_path), a, 3, cfg)
+    meta3 = json.loads((ck / "meta.json").read_text())
+    assert [d for d in os.listdir(ck) if d.startswith("step")] == [meta3["dir"]] != [meta["dir"]]
+    whole = read_checkpoint(str(tmp_path))
+    assert whole["meta"]["step"] == 3 and torch.equal(whole["masters"][a.names[0]], a.masters[0])
+
+
+def test_a_checkpoint_before_the_first_step_has_no_optimizer_state(model_dir, tmp_path):
+    cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
+    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    save_checkpoint(str(tmp_path), p, 0, cfg)
+    assert json.loads((tmp_path / "checkpoint" / "meta.json").read_text())["optim"] is False
+    q = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    assert load_checkpoint(str(tmp_path), q, cfg) == 0
+    assert not q.has_optim_state()
+
+
+def test_old_format_and_other_config_are_refused(model_dir, tmp_path):
+    cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
+    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    save_checkpoint(str(tmp_path), p, 0, cfg)
+    other = TrainerConfig(model=model_dir, run_dir=str(tmp_path), group_size=3)
+    with pytest.raises(TrainerError, match="group_size=.*--resume false"):
+        load_checkpoint(str(tmp_path), p, other)
+    old = tmp_path / "old"
+    (old / "checkpoint").mkdir(parents=True)
+    (old / "checkpoint" / "state.pt").write_bytes(b"")
+    with pytest.raises(TrainerError, match="older vllm_bi.*--resume false"):
+        load_checkpoint(str(old), p, cfg)
+
+
+def test_two_fsdp2_processes_save_shards_and_one_process_resumes_them(model_dir, tmp_path):
+    """2 gloo processes (FSDP2) step and save their shards; 1 process and 2 processes resume them, and both
+    hold the same whole tensors as a 1-process run of the same steps (FSDP2 on gloo sums the same
+    gradients exactly, as tests/trainer/test_rl_loop.py shows for the logprobs)."""
+    _run(tmp_path, model_dir, tmp_path / "fsdp", "save", 2, procs=2)
+    _run(tmp_path, model_dir, tmp_path / "single", "save", 2)
+    dumps = {}
+    for name, run_dir, procs in (("fsdp->1", "fsdp", 1), ("fsdp->2", "fsdp", 2), ("single->1", "single", 1)):
+        out = tmp_path / f"{name.replace('->', '_')}.pt"
+        _run(tmp_path, model_dir, tmp_path / run_dir, "dump", out, procs=procs)
+        dumps[name] = torch.load(out, weights_only=False)
+    ref = dumps["single->1"]
+    base = dict(GDNHybridForCausalLM.from_pretrained(model_dir).named_parameters())
+    assert all(not torch.equal(ref["masters"][n], base[n].detach().float()) for n in ref["masters"])  # stepped
+    for name, d in dumps.items():
+        assert d["step"] == 2, name
+        assert all(float(st["step"]) == 2.0 for st in d["optim"].values()), name  # AdamW's count, loaded
+        for n in ref["masters"]:
+            assert torch.equal(d["masters"][n], ref["masters"][n]), (name, n)
+            assert torch.equal(d["params"][n], ref["params"][n]), (name, n)
+            for k in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(d["optim"][n][k], ref["optim"][n][k]), (name, n, k)
+    meta = json.loads((tmp_path / "fsdp" / "checkpoint" / "meta.json").read_text())
+    assert meta["world_size"] == 2
