@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_bi.ops import bi_linear, gated_rms_norm, log_softmax, moe_experts, rms_norm, row_sum, softmax, softmax_topk
-from vllm_bi.ops.attention import causal_attention
+from vllm_bi.ops.attention import causal_attention, causal_attention_rows
 
 torch.manual_seed(0)
 
@@ -112,6 +112,40 @@ def test_causal_attention_correct_and_position_invariant():
     for p in (0, 15, 16, 17, 40, 69):
         assert torch.equal(causal_attention(q[p : p + 1], k[: p + 1], v[: p + 1], [p], scale)[0], full[p])
     assert torch.equal(causal_attention(q[35:], k, v, list(range(35, L)), scale), full[35:])
+
+
+def test_attention_rows_of_many_sequences_equal_each_alone(monkeypatch):
+    """causal_attention_rows: rows of three sequences at once (a whole prefill, a decode, the tail of a split
+    prefill) give each row the bits it gets alone, and chunking the rows (down to one per chunk) changes no
+    bit; keys past a sequence's end may hold anything (here NaN)."""
+    import vllm_bi.ops.attention as A
+
+    g = torch.Generator().manual_seed(3)
+    H, Hkv, D, scale = 4, 2, 64, 64**-0.5
+    lens = [37, 5, 130]
+    ks = [torch.randn(n, Hkv, D, generator=g).bfloat16() for n in lens]
+    vs = [torch.randn(n, Hkv, D, generator=g).bfloat16() for n in lens]
+    want_rows = [(0, p) for p in range(37)] + [(1, 4)] + [(2, p) for p in range(100, 130)]
+    q = torch.randn(len(want_rows), H, D, generator=g).bfloat16()
+    pad = 200  # each sequence's keys in a table with NaN after its end
+    kt = torch.full((3, pad, Hkv, D), float("nan")).bfloat16()
+    vt = kt.clone()
+    for i, n in enumerate(lens):
+        kt[i, :n], vt[i, :n] = ks[i], vs[i]
+
+    def gather(rows, B):
+        seq = torch.tensor([want_rows[r][0] for r in rows])
+        return kt[seq, :B], vt[seq, :B]
+
+    positions = [p for _, p in want_rows]
+    got = causal_attention_rows(q, positions, gather, scale)
+    for i in range(3):
+        sel = [r for r, (s_, _) in enumerate(want_rows) if s_ == i]
+        alone = causal_attention(q[sel], ks[i], vs[i], [want_rows[r][1] for r in sel], scale)
+        assert torch.equal(got[sel], alone), i
+    assert not got.isnan().any()
+    monkeypatch.setattr(A, "CHUNK_BYTES", 1)  # one row per chunk
+    assert torch.equal(causal_attention_rows(q, positions, gather, scale), got)
 
 
 def test_sdpa_negative_control():

@@ -1,9 +1,10 @@
-"""vLLM glue: attention backends routed to :func:`vllm_bi.ops.attention.causal_attention`.
+"""vLLM glue: attention backends routed to :func:`vllm_bi.ops.attention.causal_attention_rows`.
 
 The stock CPU_ATTN kernel packs its cache per ISA and picks its tiling from
 the batch; under batch invariance vllm_bi owns the cache layout instead
 (``kv_cache [num_blocks, Hkv, block_size, 2*D]``: key in ``[..., :D]``, value
-in ``[..., D:]``) and computes each sequence's queries from its own blocks.
+in ``[..., D:]``) and computes every query row of the step at once, each from its own
+sequence's blocks.
 
 That is also the logical layout of vLLM's TRITON_ATTN cache on CUDA, so
 :func:`bi_attn_forward` serves both (on CUDA the stock ``do_kv_cache_update``
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.ops.attention import causal_attention
+from vllm_bi.attention.gdn_recurrent import host_to
+from vllm_bi.ops.attention import causal_attention_rows
 
 __all__ = ["bi_attn_forward", "bi_cpu_attn_forward", "bi_cpu_kv_cache_update"]
 
@@ -59,21 +61,45 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
         raise NotImplementedError("vllm_bi: non-causal attention is not batch-invariant yet")
     _, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
-    qsl = attn_metadata.query_start_loc.tolist()
-    seq_lens = attn_metadata.seq_lens.tolist()
-    bt = attn_metadata.block_table
-    q_all = query.reshape(query.shape[0], -1, d)
-    out_v = output.view(output.shape[0], -1, d)
-    for i in range(len(seq_lens)):
-        s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
-        if e == s:
-            continue
-        nb = (L + block_size - 1) // block_size
-        blocks = bt[i, :nb].long()
-        kv = kv_cache[blocks].permute(0, 2, 1, 3).reshape(nb * block_size, hkv, two_d)[:L]
-        positions = list(range(L - (e - s), L))
-        out_v[s:e] = causal_attention(q_all[s:e], kv[..., :d], kv[..., d:], positions, self.scale).to(output.dtype)
+    seq_of_row, positions = _rows(attn_metadata)
+    q_all = query.reshape(query.shape[0], -1, d)[: len(positions)]
+    dev = q_all.device
+    table = attn_metadata.block_table
+    kv_rows = kv_cache.reshape(-1, two_d)  # row (block * Hkv + h) * block_size + offset; a view, no copy
+    heads = torch.arange(hkv, device=dev)
+
+    def gather(rows, B):
+        seq = host_to(torch.tensor([seq_of_row[i] for i in rows]), dev)
+        j = torch.arange(B, device=dev)
+        blocks = table[seq][:, (j // block_size).clamp(max=table.shape[1] - 1)].long()  # [r, B]
+        flat = (blocks.unsqueeze(-1) * hkv + heads) * block_size + (j % block_size).view(1, B, 1)  # [r, B, Hkv]
+        kv = kv_rows[flat]  # keys past a sequence's length read other blocks: masked in the op
+        return kv[..., :d], kv[..., d:]
+
+    out = causal_attention_rows(q_all, positions, gather, self.scale, lambda t: host_to(t, dev))
+    output.view(output.shape[0], -1, d)[: len(positions)] = out.to(output.dtype)
     return output
+
+
+def _rows(md) -> tuple[list[int], list[int]]:
+    """Each query row's sequence and absolute position, read from the metadata once per step (every read of a
+    device tensor synchronises the stream) and kept on the metadata object, which the step's attention
+    layers share."""
+    cached = getattr(md, "_vllm_bi_rows", None)
+    if cached is not None:
+        return cached
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    seq_of_row, positions = [], []
+    for i, L in enumerate(seq_lens):
+        n = qsl[i + 1] - qsl[i]
+        seq_of_row += [i] * n
+        positions += range(L - n, L)
+    try:
+        md._vllm_bi_rows = (seq_of_row, positions)
+    except AttributeError:  # a metadata class with __slots__: read it per layer
+        pass
+    return seq_of_row, positions
 
 
 bi_cpu_attn_forward = bi_attn_forward

@@ -4,14 +4,20 @@ A query at absolute position ``p`` attends keys ``0..p``. Its keys are padded
 (masked) to a bucket length ``B = max(16, next_pow2(p + 1))`` that depends on
 ``p`` alone, so its row is computed with the same shapes whether it arrives
 in a long prefill, a split prefill, or a one-token decode, and whatever else
-is batched:
+is batched. Every step is a per-row operation:
 
-* scores ``q·k`` are exact: bf16×bf16 products summed in float64 (see
-  :mod:`vllm_bi.ops.linear`), then rounded to fp32 and scaled;
-* softmax in fp32 with the row reduction of :mod:`vllm_bi.ops.reduce` over
-  exactly ``B`` entries (masked ones are exact zeros);
-* ``sum_j p_j v_j`` as an fp32 elementwise product reduced over the last dim
-  (length ``B``), then divided by the softmax denominator, rounded once.
+* scores ``q·k``: bf16×bf16 products (exact in float64) summed over the head
+  dim by :func:`vllm_bi.ops.reduce.row_sum` in float64, rounded to fp32 and
+  scaled;
+* softmax in fp32 with ``row_sum`` over exactly ``B`` entries (masked ones are
+  exact zeros);
+* ``sum_j p_j v_j`` as an fp32 elementwise product reduced by ``row_sum`` over
+  the ``B`` keys, then divided by the softmax denominator, rounded once.
+
+Rows are batched across sequences (:func:`causal_attention_rows`): the rows of
+one bucket, from any sequences, each with its own keys gathered, go through
+the same few kernels, in chunks of bounded memory; neither the grouping nor
+the chunking changes a row's bits.
 
 Shapes: ``q [Tq, H, D]``, ``k, v [L, Hkv, D]`` (the sequence's keys and values
 from position 0), ``positions [Tq]`` absolute positions of the queries.
@@ -19,15 +25,18 @@ from position 0), ``positions [Tq]`` absolute positions of the queries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["causal_attention", "bucket_len"]
+__all__ = ["causal_attention", "causal_attention_rows", "bucket_len"]
 
 MIN_BUCKET = 16
-_ROW_CHUNK = 16
+# bytes of the largest float64 temporary of one chunk of rows ([rows, H, B, D]); rows are chunked to it
+CHUNK_BYTES = 256 << 20
 
 
 def bucket_len(n_keys: int) -> int:
@@ -37,45 +46,68 @@ def bucket_len(n_keys: int) -> int:
     return b
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int] | torch.Tensor, scale: float
-) -> torch.Tensor:
-    """Return ``[Tq, H, D]`` in q.dtype."""
-    dev = q.device
-    positions = [int(p) for p in (positions.tolist() if torch.is_tensor(positions) else positions)]
-    Tq, H, D = q.shape
-    L, Hkv = k.shape[0], k.shape[1]
-    if H % Hkv:
-        raise ValueError(f"query heads {H} not a multiple of kv heads {Hkv}")
-    if positions and max(positions) >= L:
-        raise ValueError(f"query position {max(positions)} has no key (only {L} keys)")
+def _attend(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One chunk of rows of one bucket: ``q [r, H, D]``, ``pos [r]`` (device), ``k, v [r, B, Hkv, D]`` each
+    row's keys ``0..B-1`` of its own sequence (entries after its position are masked and may hold
+    anything). Returns ``[r, H, D]`` in ``q.dtype``."""
+    r, H, D = q.shape
+    B, Hkv = k.shape[1], k.shape[2]
     rep = H // Hkv
-    out = torch.empty((Tq, H, D), dtype=q.dtype, device=dev)
-    k64 = k.to(torch.float64).repeat_interleave(rep, dim=1)  # [L, H, D]
-    v32 = v.to(torch.float32).repeat_interleave(rep, dim=1)
+    valid = torch.arange(B, device=q.device).view(1, B) <= pos.view(-1, 1)  # [r, B]
+    k64 = k.to(torch.float64).repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [r, H, B, D]
+    s = row_sum(q.to(torch.float64).unsqueeze(2) * k64).squeeze(-1).to(torch.float32) * scale  # [r, H, B]
+    s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
+    m = torch.amax(s, dim=-1, keepdim=True)
+    e = pointwise.exp(s - m)  # masked -> exactly 0
+    denom = row_sum(e)  # [r, H, 1]
+    v32 = torch.where(valid.view(r, B, 1, 1), v.to(torch.float32), 0.0)  # masked keys may be garbage
+    vt = v32.repeat_interleave(rep, dim=2).permute(0, 2, 3, 1)  # [r, H, D, B]
+    num = row_sum(e.unsqueeze(2) * vt)  # [r, H, D, 1]
+    return (num.squeeze(-1) / denom).to(q.dtype)
+
+
+def causal_attention_rows(
+    q: torch.Tensor, positions: list[int], gather: Callable[[list[int], int], tuple[torch.Tensor, torch.Tensor]],
+    scale: float, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Causal attention for the rows of ``q [T, H, D]`` of any number of sequences at once.
+
+    ``positions[i]``: row ``i``'s absolute position in its sequence. ``gather(rows, B)`` returns the keys and
+    values ``[len(rows), B, Hkv, D]`` of those rows' sequences, positions ``0..B-1`` (only those up to each
+    row's position are read). ``to_device`` moves small host-built index tensors (default ``.to``). Returns
+    ``[T, H, D]`` in ``q.dtype``."""
+    T, H, D = q.shape
+    dev = q.device
+    to_device = to_device or (lambda t: t.to(dev))
+    out = torch.empty((T, H, D), dtype=q.dtype, device=dev)
     buckets: dict[int, list[int]] = {}
     for i, p in enumerate(positions):
         buckets.setdefault(bucket_len(p + 1), []).append(i)
-    for B, rows in buckets.items():
-        n = min(B, L)
-        kb = torch.zeros((B, H, D), dtype=torch.float64, device=dev)
-        kb[:n] = k64[:n]
-        vt = torch.zeros((H, D, B), dtype=torch.float32, device=dev)  # values with keys on the last dim
-        vt[:, :, :n] = v32[:n].permute(1, 2, 0)
-        kt = kb.permute(1, 2, 0)  # [H, D, B]
-        key_idx = torch.arange(B, device=dev)
-        for c in range(0, len(rows), _ROW_CHUNK):
-            idx = rows[c : c + _ROW_CHUNK]
-            pos = torch.tensor([positions[i] for i in idx], device=dev)
-            qi = q[idx].to(torch.float64)  # [r, H, D]
-            # exact scores: per head a [r, D] @ [D, B] GEMM in float64. torch.mm, not einsum/bmm: under
-            # vLLM's BI mode on CUDA, aten::bmm is overridden by a Triton kernel with no float64 path.
-            s = torch.stack([torch.mm(qi[:, h], kt[h]) for h in range(H)], dim=1).to(torch.float32) * scale
-            mask = key_idx.view(1, 1, B) > pos.view(-1, 1, 1)
-            s = s.masked_fill(mask, float("-inf"))
-            m = torch.amax(s, dim=-1, keepdim=True)
-            e = pointwise.exp(s - m)  # masked -> exactly 0
-            denom = row_sum(e)  # [r, H, 1]
-            num = row_sum(e.unsqueeze(2) * vt.unsqueeze(0))  # [r, H, D, 1]
-            out[idx] = (num.squeeze(-1) / denom).to(q.dtype)
+    for B, rows in sorted(buckets.items()):
+        per = max(1, CHUNK_BYTES // (B * H * D * 8))
+        for c in range(0, len(rows), per):
+            idx = rows[c : c + per]
+            host = torch.tensor([idx, [positions[i] for i in idx]], dtype=torch.long)
+            idx_t, pos_t = to_device(host)
+            k, v = gather(idx, B)
+            if k.shape[2] == 0 or H % k.shape[2]:
+                raise ValueError(f"query heads {H} not a multiple of kv heads {k.shape[2]}")
+            out[idx_t] = _attend(q[idx_t], pos_t, k, v, scale)
     return out
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int] | torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence: ``q [Tq, H, D]`` at ``positions``, its keys and values ``k, v [L, Hkv, D]`` from
+    position 0. Returns ``[Tq, H, D]`` in q.dtype."""
+    positions = [int(p) for p in (positions.tolist() if torch.is_tensor(positions) else positions)]
+    L = k.shape[0]
+    if positions and max(positions) >= L:
+        raise ValueError(f"query position {max(positions)} has no key (only {L} keys)")
+
+    def gather(rows, B):
+        j = torch.arange(B, device=k.device).clamp(max=L - 1)  # keys after L are masked for every row
+        return k[j].unsqueeze(0).expand(len(rows), -1, -1, -1), v[j].unsqueeze(0).expand(len(rows), -1, -1, -1)
+
+    return causal_attention_rows(q, positions, gather, scale)

@@ -27,7 +27,7 @@ from vllm_bi.attention.gdn_chunk import gdn_mode
 from vllm_bi.attention.gdn_recurrent import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
-from vllm_bi.ops.attention import causal_attention
+from vllm_bi.ops.attention import causal_attention_rows
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, softmax_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
@@ -41,6 +41,22 @@ _ARCHS = {
     "Qwen3_5ForCausalLM": ("qwen3.5", False),
     "Qwen3_5MoeForCausalLM": ("qwen3.5-moe", False),
 }
+
+
+def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences (sequence ``i`` owns rows ``cu[i]:cu[i+1]``, from position 0),
+    all rows at once: the op library's :func:`causal_attention_rows`, as the server calls it."""
+    seq_of_row = [i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])]
+    positions = [t - cu[i] for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])]
+    start = torch.tensor(cu[:-1], device=q.device)
+    last = torch.tensor(cu[1:], device=q.device) - 1
+
+    def gather(rows, B):
+        seq = torch.tensor([seq_of_row[r] for r in rows], device=q.device)
+        j = torch.minimum(start[seq].unsqueeze(1) + torch.arange(B, device=q.device), last[seq].unsqueeze(1))
+        return k[j], v[j]  # keys past a sequence's end repeat its last one: masked in the op
+
+    return causal_attention_rows(q, positions, gather, scale)
 
 
 @dataclass
@@ -169,13 +185,7 @@ class Attention(nn.Module):
         v = bi_linear(x_TD, self.v_proj)
         cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta)
         q, k = apply_rotary(positions_T, q, k, cache, Dh, c.rotary_dim, True)
-        out = torch.empty((T, H, Dh), dtype=x_TD.dtype, device=x_TD.device)
-        for i in range(len(cu) - 1):
-            s, e = cu[i], cu[i + 1]
-            out[s:e] = causal_attention(
-                q[s:e].view(-1, H, Dh), k[s:e].view(-1, Hkv, Dh), v[s:e].view(-1, Hkv, Dh),
-                list(range(e - s)), Dh**-0.5,
-            )
+        out = packed_causal_attention(q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh), cu, Dh**-0.5)
         out = out.reshape(T, H * Dh)
         if gate is not None:
             out = out * pointwise.sigmoid(gate).to(out.dtype)
