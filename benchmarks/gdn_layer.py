@@ -1,7 +1,7 @@
 """Benchmark: one GDN layer core at Qwen3.5-9B dimensions (16 key / 32 value heads of dim 128, conv width 4),
 stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invariant modes, on CUDA.
 
-    python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick]
+    python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick] [--rows decode]
     python benchmarks/gdn_layer.py --part train [--out train.md]
     python benchmarks/gdn_layer.py --part layer [--out layer.md]
 
@@ -376,6 +376,8 @@ def main() -> None:
                          "stock runs must come before the chunk mode pins fla-core's kernels")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and fewer runs (a smoke test)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rows", default=None,
+                    help="only the rows whose label contains one of these comma-separated strings (e.g. 'decode')")
     ap.add_argument("--partial", type=int, default=32,
                     help="decode rows: tokens of the partial block the chunk mode recomputes (mean 32, worst 63)")
     args = ap.parse_args()
@@ -390,6 +392,12 @@ def main() -> None:
     if args.quick:
         shapes = [Shape("prefill 4x512", [512] * 4), Shape("decode 16", [1] * 16, True, p)]
         train = [("train 2x256", [256] * 2)]
+    if args.rows:
+        keep = [w.strip() for w in args.rows.split(",") if w.strip()]
+        shapes = [sh for sh in shapes if any(w in sh.label for w in keep)]
+        train = [t for t in train if any(w in t[0] for w in keep)]
+        if not (shapes if args.part != "train" else train):
+            ap.error(f"--rows {args.rows!r} selects no row of --part {args.part}")
     reps_train = max(3, args.reps // 3)
     rep = Report(args.out)
     rep.add(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "

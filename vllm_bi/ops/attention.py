@@ -6,9 +6,8 @@ A query at absolute position ``p`` attends keys ``0..p``. Its keys are padded
 in a long prefill, a split prefill, or a one-token decode, and whatever else
 is batched. Every step is a per-row operation:
 
-* scores ``q·k``: bf16×bf16 products (exact in float64) summed over the head
-  dim by :func:`vllm_bi.ops.reduce.row_sum` in float64, rounded to fp32 and
-  scaled;
+* scores ``q·k``: bf16×bf16 products (exact in fp32) summed over the head dim
+  by :func:`vllm_bi.ops.reduce.row_sum` in fp32, then scaled;
 * softmax in fp32 with ``row_sum`` over exactly ``B`` entries (masked ones are
   exact zeros);
 * ``sum_j p_j v_j`` as an fp32 elementwise product reduced by ``row_sum`` over
@@ -35,7 +34,7 @@ from vllm_bi.ops.reduce import row_sum
 __all__ = ["causal_attention", "causal_attention_rows", "bucket_len"]
 
 MIN_BUCKET = 16
-# bytes of the largest float64 temporary of one chunk of rows ([rows, H, B, D]); rows are chunked to it
+# bytes of the largest temporary of one chunk of rows ([rows, H, B, D] fp32); rows are chunked to it
 CHUNK_BYTES = 256 << 20
 
 
@@ -54,8 +53,9 @@ def _attend(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     B, Hkv = k.shape[1], k.shape[2]
     rep = H // Hkv
     valid = torch.arange(B, device=q.device).view(1, B) <= pos.view(-1, 1)  # [r, B]
-    k64 = k.to(torch.float64).repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [r, H, B, D]
-    s = row_sum(q.to(torch.float64).unsqueeze(2) * k64).squeeze(-1).to(torch.float32) * scale  # [r, H, B]
+    # each row's order of summation is row_sum's, whatever the batch: no need for float64's exactness
+    k32 = k.to(torch.float32).repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [r, H, B, D]
+    s = row_sum(q.to(torch.float32).unsqueeze(2) * k32).squeeze(-1) * scale  # [r, H, B]
     s = s.masked_fill(~valid.unsqueeze(1), float("-inf"))
     m = torch.amax(s, dim=-1, keepdim=True)
     e = pointwise.exp(s - m)  # masked -> exactly 0
@@ -84,7 +84,7 @@ def causal_attention_rows(
     for i, p in enumerate(positions):
         buckets.setdefault(bucket_len(p + 1), []).append(i)
     for B, rows in sorted(buckets.items()):
-        per = max(1, CHUNK_BYTES // (B * H * D * 8))
+        per = max(1, CHUNK_BYTES // (B * H * D * 4))
         for c in range(0, len(rows), per):
             idx = rows[c : c + per]
             host = torch.tensor([idx, [positions[i] for i in idx]], dtype=torch.long)
