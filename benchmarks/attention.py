@@ -2,7 +2,8 @@
 vllm_bi's batch-invariant paged attention (``model_executor.attention.bi_attn_forward``, what the server runs:
 every query row of the step at once, each with its own keys gathered from the paged cache) against PyTorch's
 fused ``scaled_dot_product_attention`` on contiguous keys (a stand-in for a fused kernel such as vLLM's
-TRITON_ATTN; it is not batch-invariant).
+TRITON_ATTN; it is not batch-invariant), and against the candidate one-kernel paged attention
+(``ops/attention_triton.py``, one program per query row and head), with a check of its bits alone vs batched.
 
     python benchmarks/attention.py [--out attention.md] [--reps 10]
 
@@ -53,6 +54,22 @@ def time_bi(n_seqs, q_len, ctx, dev, reps):
     return timed(run, reps)
 
 
+def time_triton(n_seqs, q_len, ctx, dev, reps):
+    """The candidate Triton kernel (``ops/attention_triton.paged_attention``, not wired in yet) on the same
+    paged cache; also whether its first and last rows alone give the batched bits."""
+    from vllm_bi.ops.attention_triton import paged_attention
+
+    cache, q, md = paged(n_seqs, q_len, ctx, dev)
+    q3 = q.view(-1, H, D)
+    seq = torch.arange(n_seqs, device=dev).repeat_interleave(q_len)
+    pos = (torch.arange(q_len, device=dev) + ctx - q_len).repeat(n_seqs)
+    run = lambda: paged_attention(q3, seq, pos, md.block_table, cache, D**-0.5)  # noqa: E731
+    full = run()
+    same = all(torch.equal(paged_attention(q3[r:r + 1], seq[r:r + 1], pos[r:r + 1], md.block_table, cache, D**-0.5)[0],
+                           full[r]) for r in (0, q3.shape[0] - 1))
+    return timed(run, reps), same
+
+
 def time_sdpa(n_seqs, q_len, ctx, dev, reps):
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(n_seqs, H, q_len, D, generator=g).bfloat16().to(dev)
@@ -69,12 +86,14 @@ def main() -> None:
     args = ap.parse_args()
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; attention core at H={H}, Hkv={HKV}, "
              f"D={D}, block {BS}; median ms of {args.reps}", "",
-             "| shape | SDPA (fused, not BI) | vllm_bi paged BI | ratio |", "| --- | ---: | ---: | ---: |"]
+             "| shape | SDPA (fused, not BI) | vllm_bi paged BI | ratio | Triton kernel (candidate) | ratio | "
+             "its rows alone == batched |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     print("\n".join(lines), flush=True)
     for label, n, ql, ctx in ROWS:
         s = time_sdpa(n, ql, ctx, "cuda", args.reps)
         b = time_bi(n, ql, ctx, "cuda", args.reps)
-        lines.append(f"| {label} | {s:.3f} | {b:.3f} | {b / s:.1f}x |")
+        t, same = time_triton(n, ql, ctx, "cuda", args.reps)
+        lines.append(f"| {label} | {s:.3f} | {b:.3f} | {b / s:.1f}x | {t:.3f} | {t / s:.1f}x | {'yes' if same else '**NO**'} |")
         print(lines[-1], flush=True)
         if args.out:
             with open(args.out, "w") as f:
