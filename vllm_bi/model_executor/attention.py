@@ -61,17 +61,17 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
         raise NotImplementedError("vllm_bi: non-causal attention is not batch-invariant yet")
     _, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
-    seq_of_row, positions = _rows(attn_metadata)
-    q_all = query.reshape(query.shape[0], -1, d)[: len(positions)]
+    q_all = query.reshape(query.shape[0], -1, d)
     dev = q_all.device
+    seq_t, positions = _rows(attn_metadata, dev)
+    q_all = q_all[: len(positions)]
     table = attn_metadata.block_table
     kv_rows = kv_cache.reshape(-1, two_d)  # row (block * Hkv + h) * block_size + offset; a view, no copy
     heads = torch.arange(hkv, device=dev)
 
     def gather(rows, B):
-        seq = host_to(torch.tensor([seq_of_row[i] for i in rows]), dev)
         j = torch.arange(B, device=dev)
-        blocks = table[seq][:, (j // block_size).clamp(max=table.shape[1] - 1)].long()  # [r, B]
+        blocks = table[seq_t[rows]][:, (j // block_size).clamp(max=table.shape[1] - 1)].long()  # [r, B]
         flat = (blocks.unsqueeze(-1) * hkv + heads) * block_size + (j % block_size).view(1, B, 1)  # [r, B, Hkv]
         kv = kv_rows[flat]  # keys past a sequence's length read other blocks: masked in the op
         return kv[..., :d], kv[..., d:]
@@ -81,13 +81,13 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     return output
 
 
-def _rows(md) -> tuple[list[int], list[int]]:
-    """Each query row's sequence and absolute position, read from the metadata once per step (every read of a
-    device tensor synchronises the stream) and kept on the metadata object, which the step's attention
-    layers share."""
+def _rows(md, dev) -> tuple[torch.Tensor, list[int]]:
+    """Each query row's sequence (on ``dev``) and absolute position, read from the metadata once per step
+    (every read of a device tensor synchronises the stream) and kept on the metadata object, which the step's
+    attention layers share."""
     cached = getattr(md, "_vllm_bi_rows", None)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] == dev:
+        return cached[1:]
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
     seq_of_row, positions = [], []
@@ -95,11 +95,12 @@ def _rows(md) -> tuple[list[int], list[int]]:
         n = qsl[i + 1] - qsl[i]
         seq_of_row += [i] * n
         positions += range(L - n, L)
+    seq_t = host_to(torch.tensor(seq_of_row, dtype=torch.long), dev)
     try:
-        md._vllm_bi_rows = (seq_of_row, positions)
+        md._vllm_bi_rows = (dev, seq_t, positions)
     except AttributeError:  # a metadata class with __slots__: read it per layer
         pass
-    return seq_of_row, positions
+    return seq_t, positions
 
 
 bi_cpu_attn_forward = bi_attn_forward

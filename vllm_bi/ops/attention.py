@@ -67,14 +67,14 @@ def _attend(q: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def causal_attention_rows(
-    q: torch.Tensor, positions: list[int], gather: Callable[[list[int], int], tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor, positions: list[int], gather: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
     scale: float, to_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention for the rows of ``q [T, H, D]`` of any number of sequences at once.
 
-    ``positions[i]``: row ``i``'s absolute position in its sequence. ``gather(rows, B)`` returns the keys and
-    values ``[len(rows), B, Hkv, D]`` of those rows' sequences, positions ``0..B-1`` (only those up to each
-    row's position are read). ``to_device`` moves small host-built index tensors (default ``.to``). Returns
+    ``positions[i]``: row ``i``'s absolute position in its sequence. ``gather(rows, B)`` (``rows``: row indices
+    on ``q``'s device) returns the keys and values ``[len(rows), B, Hkv, D]`` of those rows' sequences,
+    positions ``0..B-1`` (only those up to each row's position are read). ``to_device`` moves small host-built index tensors (default ``.to``). Returns
     ``[T, H, D]`` in ``q.dtype``."""
     T, H, D = q.shape
     dev = q.device
@@ -89,7 +89,7 @@ def causal_attention_rows(
             idx = rows[c : c + per]
             host = torch.tensor([idx, [positions[i] for i in idx]], dtype=torch.long)
             idx_t, pos_t = to_device(host)
-            k, v = gather(idx, B)
+            k, v = gather(idx_t, B)
             if k.shape[2] == 0 or H % k.shape[2]:
                 raise ValueError(f"query heads {H} not a multiple of kv heads {k.shape[2]}")
             out[idx_t] = _attend(q[idx_t], pos_t, k, v, scale)
@@ -108,6 +108,6 @@ def causal_attention(
 
     def gather(rows, B):
         j = torch.arange(B, device=k.device).clamp(max=L - 1)  # keys after L are masked for every row
-        return k[j].unsqueeze(0).expand(len(rows), -1, -1, -1), v[j].unsqueeze(0).expand(len(rows), -1, -1, -1)
+        return k[j].unsqueeze(0).expand(rows.numel(), -1, -1, -1), v[j].unsqueeze(0).expand(rows.numel(), -1, -1, -1)
 
     return causal_attention_rows(q, positions, gather, scale)

@@ -98,9 +98,7 @@ class Policy:
                 m.grad.mul_(self.grad_clip / norm)
         self.opt.step()
         self.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.masters):
-                p.copy_(m.to(p.dtype))
+        self.masters_to_params()
         return norm
 
     def checkpoint_tensors(self, with_optim: bool) -> dict:

@@ -46,13 +46,13 @@ _ARCHS = {
 def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
     """Causal attention of packed sequences (sequence ``i`` owns rows ``cu[i]:cu[i+1]``, from position 0),
     all rows at once: the op library's :func:`causal_attention_rows`, as the server calls it."""
-    seq_of_row = [i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])]
+    seq_t = torch.tensor([i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])], device=q.device)
     positions = [t - cu[i] for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])]
     start = torch.tensor(cu[:-1], device=q.device)
     last = torch.tensor(cu[1:], device=q.device) - 1
 
     def gather(rows, B):
-        seq = torch.tensor([seq_of_row[r] for r in rows], device=q.device)
+        seq = seq_t[rows]
         j = torch.minimum(start[seq].unsqueeze(1) + torch.arange(B, device=q.device), last[seq].unsqueeze(1))
         return k[j], v[j]  # keys past a sequence's end repeat its last one: masked in the op
 
