@@ -1,19 +1,21 @@
-"""Benchmark: one attention layer's core at Qwen3.5-9B dimensions (16 query / 4 KV heads of dim 256) on CUDA,
-vllm_bi's batch-invariant paged attention (``model_executor.attention.bi_attn_forward``, what the server runs:
-every query row of the step at once, each with its own keys gathered from the paged cache) against PyTorch's
-fused ``scaled_dot_product_attention`` on contiguous keys (a stand-in for a fused kernel such as vLLM's
-TRITON_ATTN; it is not batch-invariant), and against the candidate one-kernel paged attention
-(``ops/attention_triton.py``, one program per query row and head), with a check of its bits alone vs batched.
+"""Benchmark: one attention layer's core at Qwen3.5-9B dimensions (16 query / 4 KV heads of dim 256) on CUDA:
+vllm_bi's batch-invariant attention as the server runs it (``model_executor.attention.bi_attn_forward`` on a paged
+cache), with its Triton kernel (``ops/attention_triton.py``, the CUDA default) and with the torch op
+(``VLLM_BI_ATTENTION=torch``, ``ops/attention.py``), against PyTorch's fused ``scaled_dot_product_attention`` on
+contiguous keys (a stand-in for a fused kernel such as vLLM's TRITON_ATTN; not batch-invariant). Each Triton row
+also checks the first and last query rows computed alone (a one-row decode) against the batched bits. A second
+table times the kernel's other block sizes, warps and stages (each one is other arithmetic: other bits).
 
-    python benchmarks/attention.py [--out attention.md] [--reps 10]
+    python benchmarks/attention.py [--out attention.md] [--reps 10] [--no-torch-op] [--no-configs]
 
-Rows: decode B sequences x 1 query at context C (every sequence the same length), and one prefill of T tokens.
+Rows: decode B sequences x 1 query at context C (every sequence the same length), and prefills of B x T tokens.
 Median ms of CUDA-event timings after warm-ups.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from types import SimpleNamespace
 
 import torch
@@ -23,7 +25,10 @@ from common import timed
 
 H, HKV, D, BS = 16, 4, 256, 16
 ROWS = [("decode 1 x ctx 1K", 1, 1, 1024), ("decode 16 x ctx 1K", 16, 1, 1024), ("decode 256 x ctx 1K", 256, 1, 1024),
-        ("decode 64 x ctx 4K", 64, 1, 4096), ("prefill 1 x 4K", 1, 4096, 4096)]
+        ("decode 64 x ctx 4K", 64, 1, 4096), ("prefill 1 x 4K", 1, 4096, 4096), ("prefill 8 x 1K", 8, 1024, 1024),
+        ("prefill 1 x 16K", 1, 16384, 16384)]
+TORCH_OP_MAX_ROWS = 4096  # the torch op at 16K query rows takes minutes
+CONFIGS = [(32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]  # BLOCK_N, warps, stages
 
 
 def paged(n_seqs: int, q_len: int, ctx: int, dev: str):
@@ -39,35 +44,36 @@ def paged(n_seqs: int, q_len: int, ctx: int, dev: str):
     return cache, q, md
 
 
-def time_bi(n_seqs, q_len, ctx, dev, reps):
+IMPL = SimpleNamespace(scale=D**-0.5, attn_type="decoder", alibi_slopes=None, sliding_window=None,
+                       logits_soft_cap=None, sinks=None, kv_cache_dtype="auto")
+
+
+def time_server(n_seqs, q_len, ctx, dev, reps, backend):
+    """The server's attention call (``bi_attn_forward``) with ``VLLM_BI_ATTENTION=backend``; for the Triton kernel
+    also whether the first and last rows computed alone give the batched bits."""
     from vllm_bi.model_executor.attention import bi_attn_forward
 
+    os.environ["VLLM_BI_ATTENTION"] = backend
     cache, q, md = paged(n_seqs, q_len, ctx, dev)
-    impl = SimpleNamespace(scale=D**-0.5, attn_type="decoder", alibi_slopes=None, sliding_window=None,
-                           logits_soft_cap=None, sinks=None, kv_cache_dtype="auto")
     out = torch.empty_like(q)
 
-    def run():
-        md.__dict__.pop("_vllm_bi_rows", None)  # a new step: its host reads again (once per step in the server)
-        bi_attn_forward(impl, None, q, None, None, cache, md, out)
+    def run(md=md, q=q, out=out):
+        for key in ("_vllm_bi_rows", "_vllm_bi_tiles"):  # a new step: its host reads again (once per step)
+            md.__dict__.pop(key, None)
+        return bi_attn_forward(IMPL, None, q, None, None, cache, md, out)
 
-    return timed(run, reps)
-
-
-def time_triton(n_seqs, q_len, ctx, dev, reps):
-    """The candidate Triton kernel (``ops/attention_triton.paged_attention``, not wired in yet) on the same
-    paged cache; also whether its first and last rows alone give the batched bits."""
-    from vllm_bi.ops.attention_triton import paged_attention
-
-    cache, q, md = paged(n_seqs, q_len, ctx, dev)
-    q3 = q.view(-1, H, D)
-    seq = torch.arange(n_seqs, device=dev).repeat_interleave(q_len)
-    pos = (torch.arange(q_len, device=dev) + ctx - q_len).repeat(n_seqs)
-    run = lambda: paged_attention(q3, seq, pos, md.block_table, cache, D**-0.5)  # noqa: E731
-    full = run()
-    same = all(torch.equal(paged_attention(q3[r:r + 1], seq[r:r + 1], pos[r:r + 1], md.block_table, cache, D**-0.5)[0],
-                           full[r]) for r in (0, q3.shape[0] - 1))
-    return timed(run, reps), same
+    ms = timed(run, reps)
+    same = None
+    if backend == "triton":
+        full = run().clone()
+        same = True
+        for r in (0, q.shape[0] - 1):
+            s, p = r // q_len, ctx - q_len + r % q_len
+            one = SimpleNamespace(query_start_loc=torch.tensor([0, 1], device=dev),
+                                  seq_lens=torch.tensor([p + 1], device=dev), block_table=md.block_table[s:s + 1],
+                                  causal=True)
+            same &= torch.equal(run(one, q[r:r + 1], torch.empty_like(q[r:r + 1]))[0], full[r])
+    return ms, same
 
 
 def time_sdpa(n_seqs, q_len, ctx, dev, reps):
@@ -83,21 +89,50 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-torch-op", action="store_true", help="skip the torch op's column (slow)")
+    ap.add_argument("--no-configs", action="store_true", help="skip the table of the kernel's other configs")
     args = ap.parse_args()
+    import vllm_bi.ops.attention_triton as A
+
+    pin = (A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES)
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; attention core at H={H}, Hkv={HKV}, "
-             f"D={D}, block {BS}; median ms of {args.reps}", "",
-             "| shape | SDPA (fused, not BI) | vllm_bi paged BI | ratio | Triton kernel (candidate) | ratio | "
-             "its rows alone == batched |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    print("\n".join(lines), flush=True)
-    for label, n, ql, ctx in ROWS:
-        s = time_sdpa(n, ql, ctx, "cuda", args.reps)
-        b = time_bi(n, ql, ctx, "cuda", args.reps)
-        t, same = time_triton(n, ql, ctx, "cuda", args.reps)
-        lines.append(f"| {label} | {s:.3f} | {b:.3f} | {b / s:.1f}x | {t:.3f} | {t / s:.1f}x | {'yes' if same else '**NO**'} |")
+             f"D={D}, cache block {BS}; kernel BLOCK_M {A.BLOCK_M}, BLOCK_N {pin[0]}, {pin[1]} warps, {pin[2]} "
+             f"stages; median ms of {args.reps}", "",
+             "| shape | SDPA (fused, not BI) | BI Triton kernel | ratio | rows alone == batched | BI torch op | ratio |",
+             "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+
+    def flush():
         print(lines[-1], flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 f.write("\n".join(lines) + "\n")
+
+    print("\n".join(lines[:-1]), flush=True)
+    for label, n, ql, ctx in ROWS:
+        s = time_sdpa(n, ql, ctx, "cuda", args.reps)
+        t, same = time_server(n, ql, ctx, "cuda", args.reps, "triton")
+        cells = f"| {label} | {s:.3f} | {t:.3f} | {t / s:.2f}x | {'yes' if same else '**NO**'} |"
+        if args.no_torch_op or n * ql > TORCH_OP_MAX_ROWS:
+            cells += " | |"
+        else:
+            b, _ = time_server(n, ql, ctx, "cuda", max(3, args.reps // 3), "torch")
+            cells += f" {b:.3f} | {b / s:.1f}x |"
+        lines.append(cells)
+        flush()
+    if not args.no_configs:
+        lines += ["", "the kernel's configs (each other bits; the first is the pinned one)", "",
+                  "| BLOCK_N, warps, stages | " + " | ".join(r[0] for r in ROWS) + " |",
+                  "| --- |" + " ---: |" * len(ROWS)]
+        print("\n".join(lines[-4:-1]), flush=True)
+        for cfg in [pin] + [c for c in CONFIGS if c != pin]:
+            A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = cfg
+            try:
+                cells = [f"{time_server(n, ql, ctx, 'cuda', args.reps, 'triton')[0]:.3f}" for _, n, ql, ctx in ROWS]
+            except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is a result
+                cells = [f"fails: {type(e).__name__}"] + [""] * (len(ROWS) - 1)
+            lines.append(f"| {cfg[0]}, {cfg[1]}, {cfg[2]} | " + " | ".join(cells) + " |")
+            flush()
+        A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = pin
 
 
 if __name__ == "__main__":

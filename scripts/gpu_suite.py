@@ -20,11 +20,13 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -38,7 +40,7 @@ MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "defau
           "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
           "moe-router": ("qwen3.5-moe", "moe-router"),
           "qwen3.5-tp": ("qwen3.5", "tp")}
-RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)  # FlashInfer's GDN prefill is not in the offline bundle
+RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)
 
 
 @dataclass
@@ -164,6 +166,207 @@ class GpuPool:
             self.cv.notify_all()
 
 
+# --------------------------------------------------------------------------- job processes
+# A job runs in its own session (start_new_session), so one killpg reaches torchrun and its ranks; the vLLM server
+# a trainer or parity run starts calls setsid itself (vllm_bi.testing.server.VllmServer), so the job's processes are
+# also found through /proc: descendants by ppid (tracked while the job runs, so an orphaned server stays known) and
+# every process whose environment carries the job's token (MARK), which all of them inherit.
+
+STOP = threading.Event()  # set when the suite is interrupted: running jobs are killed, waiting ones are not started
+MARK = "VLLM_BI_SUITE_JOB"
+KILL_GRACE = 15.0  # seconds between SIGTERM and SIGKILL
+SERVER_LOG_TAIL = 300_000  # bytes of a run dir's server.log copied to the logs
+
+
+class Interrupted(Exception):
+    """The suite was interrupted (Ctrl-C, SIGTERM) while this job ran."""
+
+
+def _ps() -> dict[int, tuple[int, int, int, str, int]]:
+    """pid -> (ppid, pgrp, session, state, starttime) of every process, from /proc/PID/stat."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                s = f.read()
+            rest = s[s.rindex(b")") + 2:].split()  # fields 3.. (the command name may hold spaces and parens)
+            out[int(d)] = (int(rest[1]), int(rest[2]), int(rest[3]), rest[0].decode(), int(rest[19]))
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return out
+
+
+def _marked(token: str, ps: dict) -> set[int]:
+    """The processes whose environment holds MARK=token (readable for our own processes only)."""
+    needle = f"{MARK}={token}".encode()
+    hits = set()
+    for pid in ps:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read():
+                    hits.add(pid)
+        except OSError:
+            continue
+    return hits
+
+
+def job_processes(root: int, root_alive: bool, ps: dict, known: dict[int, int] | None = None,
+                  token: str | None = None) -> set[int]:
+    """The live-or-zombie processes of the job whose main process is `root` (pid == its session id): its session,
+    the processes in `known` (pid -> starttime, still the same process), those marked with `token`, the sessions
+    these lead (a setsid vLLM server) and everything below all of them."""
+    seeds = {q for q, st in ps.items() if st[2] == root}
+    if root_alive and root in ps:
+        seeds.add(root)
+    seeds |= {q for q, start in (known or {}).items() if q in ps and ps[q][4] == start}
+    if token:
+        seeds |= _marked(token, ps)
+    seeds |= {q for q, st in ps.items() if st[2] in seeds}
+    children: dict[int, list[int]] = {}
+    for q, st in ps.items():
+        children.setdefault(st[0], []).append(q)
+    out, todo = set(), list(seeds)
+    while todo:
+        q = todo.pop()
+        if q not in out:
+            out.add(q)
+            todo += children.get(q, [])
+    return out - {0, 1, os.getpid()}
+
+
+def kill_job(p: subprocess.Popen, token: str | None = None, known: dict[int, int] | None = None,
+             grace: float | None = None) -> list[int]:
+    """Stop everything job `p` (started with start_new_session=True) left running: SIGTERM to its processes and
+    their process groups, `grace` s to exit, then SIGKILL. The processes are collected before any signal and again
+    while waiting. Reaps `p`. Returns the pids that were signalled (empty: nothing was left)."""
+    grace = KILL_GRACE if grace is None else grace
+    known = dict(known or {})
+    own_group = os.getpgrp()
+
+    def live() -> tuple[set[int], dict]:
+        ps = _ps()
+        procs = job_processes(p.pid, p.poll() is None, ps, known, token)
+        for q in procs:
+            known.setdefault(q, ps[q][4])  # an orphan re-parented to init stays a target
+        return {q for q in procs if ps[q][3] not in ("Z", "X")}, ps
+
+    def send(procs: set[int], ps: dict, sig: int) -> None:
+        for q in procs:
+            try:
+                os.kill(q, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for g in {ps[q][1] for q in procs} - {own_group, 0}:  # catches a child forked meanwhile
+            try:
+                os.killpg(g, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    procs, ps = live()
+    signalled: set[int] = set()
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if not procs:
+            break
+        send(procs, ps, sig)
+        signalled |= procs
+        end = time.monotonic() + wait
+        while procs and time.monotonic() < end:
+            time.sleep(0.2)
+            procs, ps = live()
+            if sig == signal.SIGTERM and procs - signalled:  # started during the shutdown
+                send(procs - signalled, ps, sig)
+                signalled |= procs
+    try:
+        p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    return sorted(signalled)
+
+
+def run_process(argv: list[str], log, timeout: float, env: dict | None = None, cwd: str | None = None,
+                grace: float | None = None) -> int:
+    """Run `argv` in its own session, its stdout and stderr going to the open file `log` as they come; kill the
+    job's processes (kill_job) when it ends, whichever way: leftovers after a normal exit, everything on a
+    timeout (subprocess.TimeoutExpired) or when the suite stops (Interrupted). Returns the exit code."""
+    grace = KILL_GRACE if grace is None else grace
+    token = uuid.uuid4().hex
+    env = dict(os.environ if env is None else env, **{MARK: token})
+    log.flush()
+    p = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                         start_new_session=True)
+    known: dict[int, int] = {}
+    why = "left over after the job exited"
+    try:
+        deadline = time.monotonic() + timeout
+        last_track = 0.0
+        while True:
+            try:
+                return p.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            if STOP.is_set():
+                why = "suite interrupted"
+                raise Interrupted("suite interrupted")
+            if time.monotonic() > deadline:
+                why = f"timed out after {timeout} s"
+                raise subprocess.TimeoutExpired(argv, timeout)
+            if time.monotonic() - last_track > 2.0:  # remember the descendants (a server outlives a crashed parent)
+                last_track = time.monotonic()
+                ps = _ps()
+                for q in job_processes(p.pid, True, ps, known):
+                    known.setdefault(q, ps[q][4])
+    finally:
+        killed = kill_job(p, token, known, grace)
+        if killed:
+            log.write(f"\n--- [suite] {why}: SIGTERM (SIGKILL after {grace:.0f} s) to {len(killed)} "
+                      f"processes: {killed} ---\n")
+            log.flush()
+
+
+def _read_from(path: str, offset: int) -> str:
+    with open(path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
+def collect_run_dir(run_dir: str, logdir: str, slug: str, since: float) -> list[str]:
+    """Copy the run dir's metrics.jsonl, results.json/.md and the tail of server.log into `logdir` as
+    `slug.NAME`; files not written since `since` (a previous suite run's) are left out."""
+    copied = []
+    for name in ("metrics.jsonl", "results.json", "results.md", "server.log"):
+        src = os.path.join(run_dir, name)
+        try:
+            if os.path.getmtime(src) < since:
+                continue
+            dst = os.path.join(logdir, f"{slug}.{name}")
+            if name == "server.log":
+                with open(src, "rb") as f, open(dst, "wb") as g:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - SERVER_LOG_TAIL))
+                    if size > SERVER_LOG_TAIL:
+                        g.write(f"[suite] last {SERVER_LOG_TAIL} of {size} bytes\n".encode())
+                    shutil.copyfileobj(f, g)
+            else:
+                shutil.copy(src, dst)
+            copied.append(dst)
+        except OSError:
+            continue
+    return copied
+
+
+def _steps_so_far(run_dir: str, since: float) -> int | None:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    try:
+        if os.path.getmtime(path) < since:
+            return None
+        with open(path) as f:
+            return sum(1 for ln in f if ln.strip())
+    except OSError:
+        return None
+
+
 def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) -> dict:
     ids = pool.take(job.gpus)
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -173,6 +376,7 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
     run_dir = os.path.join(RUNS, slug)
     argv = list(job.argv)
     if job.kind == "trainer":
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the trainer would resume a previous suite's run
         argv += ["--run-dir", run_dir]
         if "torch.distributed.run" in argv:
             from vllm_bi.testing.server import free_port
@@ -181,33 +385,38 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
     elif job.kind == "serve":
         argv += ["--out", run_dir]
     t0 = time.time()
-    print(f"[suite] start {job.name} on GPU {ids}: {shlex.join(argv)}", flush=True)
     rec = {"job": job.name, "kind": job.kind, "gpus": ids, "env": job.env, "cmd": shlex.join(argv),
            "expect_pass": job.expect_pass}
+    log_path = os.path.join(logdir, slug + ".log")
     try:
-        with open(os.path.join(logdir, slug + ".log"), "w") as log:
+        if STOP.is_set():
+            raise Interrupted("suite interrupted")
+        print(f"[suite] start {job.name} on GPU {ids}: {shlex.join(argv)}", flush=True)
+        open(log_path, "w").close()
+        with open(log_path, "a") as log:  # stdout and stderr of the job, interleaved, as they come
             for attempt in range(2):
-                p = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
-                                   timeout=job.timeout)
                 log.flush()
-                with open(log.name, errors="replace") as f:
-                    # vLLM's start-up memory check trips when another job's server frees memory meanwhile
-                    if p.returncode == 0 or "Error in memory profiling" not in f.read():
-                        break
+                start = os.path.getsize(log_path)
+                rc = run_process(argv, log, job.timeout, env=env, cwd=ROOT)
+                out = _read_from(log_path, start)
+                # vLLM's start-up memory check trips when another job's server frees memory meanwhile
+                if rc == 0 or "Error in memory profiling" not in out or STOP.is_set():
+                    break
                 log.write(f"\n--- retry {attempt + 1}: memory profiling disturbed by a concurrent job ---\n")
                 rec["retried"] = True
-            log.write("\n--- stdout ---\n" + p.stdout)
-        rec["rc"] = p.returncode
-        rec.update(_verdict(job, p.stdout, run_dir))
+        rec["rc"] = rc
+        rec.update(_verdict(job, out, run_dir))
     except subprocess.TimeoutExpired:
-        rec.update(rc=None, passed=False, error=f"timed out after {job.timeout} s")
+        steps = _steps_so_far(run_dir, t0) if job.kind == "trainer" else None
+        rec.update(rc=None, passed=False, error=f"timed out after {job.timeout} s"
+                   + (f" ({steps} trainer steps in metrics.jsonl)" if steps is not None else ""))
+    except Interrupted:
+        rec.update(rc=None, passed=False, error="suite interrupted")
     except Exception as e:  # noqa: BLE001 - recorded, the suite goes on
         rec.update(rc=None, passed=False, error=f"{type(e).__name__}: {e}")
     finally:
         pool.give(ids)
-    for name in ("metrics.jsonl", "results.json", "results.md"):
-        if os.path.exists(os.path.join(run_dir, name)):
-            shutil.copy(os.path.join(run_dir, name), os.path.join(logdir, f"{slug}.{name}"))
+    collect_run_dir(run_dir, logdir, slug, t0 - 1.0)
     rec["seconds"] = round(time.time() - t0, 1)
     print(f"[suite] done  {job.name}: {_summary(rec)} ({rec['seconds']} s)", flush=True)
     if partial:  # each verdict as soon as it is known, in case the suite is cut short
@@ -216,12 +425,27 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
     return rec
 
 
-def _verdict(job: Job, stdout: str, run_dir: str) -> dict:
+def _json_report(output: str) -> dict | None:
+    """The last line of `output` that is a JSON object with a "pass" key (`vllm-bi parity --json`'s report); the
+    output is the job's stdout and stderr together."""
+    for ln in reversed(output.splitlines()):
+        ln = ln.strip()
+        if ln.startswith("{"):
+            try:
+                r = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(r, dict) and "pass" in r:
+                return r
+    return None
+
+
+def _verdict(job: Job, output: str, run_dir: str) -> dict:
+    """The job's verdict from its output (stdout and stderr) or its run dir's files."""
     if job.kind == "parity":
-        line = next((ln for ln in reversed(stdout.strip().splitlines()) if ln.startswith("{")), None)
-        if line is None:
+        r = _json_report(output)
+        if r is None:
             return {"passed": False, "error": "no JSON report (see the log)"}
-        r = json.loads(line)
         return {"passed": bool(r["pass"]), "tokens": r["tokens"], "bitwise_equal": r["bitwise_equal"],
                 "max_abs_diff": r["max_abs_diff"], "mean_abs_diff": r["mean_abs_diff"]}
     if job.kind == "trainer":
@@ -264,6 +488,12 @@ def markdown(recs: list[dict]) -> str:
         rows.append(f"| {r['job']} | {len(r['gpus'])} | {_summary(r)} | {'PASS' if r['expect_pass'] else 'FAIL'} "
                     f"| {'yes' if ok else '**NO**'} | {r['seconds']} |")
     return "\n".join(rows) + "\n"
+
+
+def _interrupt(signum, frame) -> None:
+    if not STOP.is_set():  # once: a second signal does not cut the jobs' shutdown short
+        STOP.set()
+        raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main() -> int:
@@ -311,14 +541,32 @@ def main() -> int:
     pool = GpuPool(n_gpus, args.per_gpu)
     tag = "_".join(groups)
     partial = os.path.join(args.out, f"suite_{tag}.jsonl")
-    with ThreadPoolExecutor(args.parallel) as ex:
+    tarball = os.path.join(args.out, f"logs_{tag}.tar.gz")
+    # the jobs run in their own sessions, so a Ctrl-C (or the SIGTERM of an outer timeout) reaches only the suite:
+    # it stops them (STOP: each worker kills its job's processes) and still writes the logs
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup stays nohup
+            signal.signal(sig, _interrupt)
+    ex = ThreadPoolExecutor(args.parallel)
+    try:
         recs = list(ex.map(lambda j: run_job(j, pool, logdir, partial), jobs))
+    except BaseException as e:
+        STOP.set()
+        print(f"[suite] interrupted: stopping the running jobs (SIGTERM, SIGKILL after {KILL_GRACE:.0f} s); "
+              f"the verdicts so far are in {partial}", flush=True)
+        ex.shutdown(wait=True, cancel_futures=True)
+        with tarfile.open(tarball, "w:gz") as tar:
+            tar.add(logdir, arcname="logs")
+        if isinstance(e, KeyboardInterrupt):
+            return 130
+        raise
+    ex.shutdown()
     with open(os.path.join(args.out, f"suite_{tag}.json"), "w") as f:
         json.dump(recs, f, indent=1)
     md = markdown(recs)
     with open(os.path.join(args.out, f"suite_{tag}.md"), "w") as f:
         f.write(md)
-    with tarfile.open(os.path.join(args.out, f"logs_{tag}.tar.gz"), "w:gz") as tar:
+    with tarfile.open(tarball, "w:gz") as tar:
         tar.add(logdir, arcname="logs")
     print(md)
     return 0 if all(r.get("passed") == r["expect_pass"] and "error" not in r for r in recs) else 1

@@ -62,4 +62,70 @@ def test_a_server_on_vllms_own_kernels_is_a_settings_mismatch():
     from vllm_bi.parity import settings_mismatch
 
     assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi"}) is None
+    assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "device": "cpu", "attention": "torch"}) is None
+    assert "VLLM_BI_ATTENTION" in settings_mismatch({"gdn_mode": "recurrent", "device": "cuda", "attention": "torch"})
     assert "VLLM_BI_CUDA_OPS=vllm" in settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm"})
+
+
+GLUE_TRITON = """
+import os
+from types import SimpleNamespace
+import torch
+from vllm_bi.model_executor.attention import bi_attn_forward
+from vllm_bi.model_executor.models.hybrid import packed_causal_attention
+
+g = torch.Generator().manual_seed(0)
+H, Hkv, D, bs = 4, 2, 64, 16
+lens = [37, 20]
+k = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16()
+v = torch.randn(sum(lens), Hkv, D, generator=g).bfloat16()
+q = torch.randn(sum(lens), H, D, generator=g).bfloat16()
+cu = [0, 37, 57]
+table = torch.tensor([[7, 2, 9, 0], [4, 11, 0, 0]], dtype=torch.int32)
+cache = torch.full((12, Hkv, bs, 2 * D), float("nan")).bfloat16()
+for i, L in enumerate(lens):
+    for t in range(L):
+        cache[table[i, t // bs], :, t % bs] = torch.cat([k[cu[i] + t], v[cu[i] + t]], -1)
+impl = SimpleNamespace(scale=D**-0.5, attn_type="decoder", alibi_slopes=None, sliding_window=None,
+                       logits_soft_cap=None, sinks=None, kv_cache_dtype="auto")
+
+def server(rows):  # rows: [(seq, first query position)]: one step; returns each sequence's query rows
+    qs = torch.cat([q[cu[i] + f: cu[i + 1]] for i, f in rows])
+    qsl = [0]
+    for i, f in rows:
+        qsl.append(qsl[-1] + lens[i] - f)
+    md = SimpleNamespace(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor([lens[i] for i, _ in rows]),
+                         block_table=table[[i for i, _ in rows]], causal=True)
+    out = torch.full((qs.shape[0] + 3, H * D), 5.0).bfloat16()  # 3 padding rows: left as they are
+    bi_attn_forward(impl, None, torch.cat([qs.view(-1, H * D), torch.zeros(3, H * D).bfloat16()]), None, None,
+                    cache, md, out)
+    assert bool((out[-3:] == 5.0).all())
+    return out[:-3].view(-1, H, D).split([lens[i] - f for i, f in rows])
+
+trainer = {}
+for backend in ("triton", "torch"):
+    os.environ["VLLM_BI_ATTENTION"] = backend
+    trainer[backend] = packed_causal_attention(q, k, v, cu, D**-0.5)
+    full = server([(0, 0), (1, 0)])
+    assert torch.equal(torch.cat(full), trainer[backend]), backend          # trainer == server, each backend
+    # a split prefill of sequence 0 at 30 beside a decode of sequence 1, and sequence 1 alone
+    split = server([(0, 30), (1, 19)])
+    assert torch.equal(split[0], full[0][30:]) and torch.equal(split[1], full[1][19:]), backend
+assert (trainer["triton"].double() - trainer["torch"].double()).abs().max() < 2e-2
+assert not torch.equal(trainer["triton"], trainer["torch"])  # two ops, two sets of bits: the setting matters
+print("ok")
+"""
+
+
+def test_triton_attention_through_the_glue_equals_the_trainer():
+    """``VLLM_BI_ATTENTION=triton`` (the CUDA default) through the server glue and through the trainer's packed
+    attention, on CPU under Triton's interpreter: equal bits, also in a split prefill beside a decode; padding rows
+    untouched; within 2e-2 of the torch op (and not its bits)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", GLUE_TRITON], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.stdout + r.stderr)[-4000:]

@@ -140,6 +140,13 @@ def settings_mismatch(info: dict) -> str | None:
     if info.get("gemm", "fp64") != gemm_mode():
         return (f"the server's GEMMs run in mode {info.get('gemm')!r}, this trainer's in {gemm_mode()!r}; set "
                 f"{GEMM_ENV} to the same value on both sides")
+    if "attention" in info:
+        from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
+
+        mine = attention_backend(info.get("device", "cpu"))
+        if info["attention"] != mine:
+            return (f"the server's attention runs the {info['attention']} op, this trainer's the {mine} op on "
+                    f"{info.get('device', 'cpu')}; set {ATTENTION_ENV} to the same value on both sides")
     if info.get("ops", "vllm_bi") != "vllm_bi":
         return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
                 "serving is batch-invariant, but the trainer's ops give other bits; restart it without "

@@ -90,3 +90,46 @@ def test_trainer_model_packing_invariant_on_cuda(tiny_model_path):
     for i, a in enumerate(alone):
         got = packed[cu[i] : cu[i + 1]]
         assert torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(got, 7.0)), i
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(16, 4, 256), (8, 2, 128), (6, 2, 64)])
+def test_triton_attention_rows_invariant_on_cuda(H, Hkv, D):
+    """The compiled Triton attention kernel: a row's bits the same as a one-row decode, inside a prefill, in a
+    split prefill, batched with another sequence, through the trainer's packed path; float64 within 2e-2."""
+    from vllm_bi.ops.attention_triton import packed_attention, paged_attention, rows_per_tile, tiles_for
+
+    g = torch.Generator().manual_seed(0)
+    lens, bs = [300, 77], 16
+    qs = [torch.randn(n, H, D, generator=g).bfloat16().to(DEV) for n in lens]
+    ks = [torch.randn(n, Hkv, D, generator=g).bfloat16().to(DEV) for n in lens]
+    vs = [torch.randn(n, Hkv, D, generator=g).bfloat16().to(DEV) for n in lens]
+    nb = [(n + bs - 1) // bs for n in lens]
+    cache = torch.full((1 + sum(nb), Hkv, bs, 2 * D), float("nan"), device=DEV).bfloat16()
+    table = (1 + torch.randperm(sum(nb), generator=g)).int().to(DEV)
+    table = torch.stack([torch.nn.functional.pad(t, (0, max(nb) - len(t))) for t in table.split(nb)])
+    for i, n in enumerate(lens):
+        for j in range(n):
+            cache[table[i, j // bs], :, j % bs] = torch.cat([ks[i][j], vs[i][j]], -1)
+
+    def run(rows, dtype=torch.float32):  # rows: [(seq, first row)], one step
+        q = torch.cat([qs[i][f:] for i, f in rows])
+        n = [lens[i] - f for i, f in rows]
+        starts = [sum(n[:r]) for r in range(len(n))]
+        tiles = tiles_for(H, Hkv, starts, n, [f for _, f in rows])
+        per = rows_per_tile(H, Hkv)
+        tiles[:, 0] = torch.tensor([i for (i, _), m in zip(rows, n) for _ in range(0, m, per)], dtype=torch.int32)
+        out = torch.empty(q.shape, dtype=dtype, device=DEV)
+        return paged_attention(q, cache, table, tiles.to(DEV), D**-0.5, out=out)
+
+    full = run([(0, 0), (1, 0)])
+    a, b = full.split(lens)
+    assert torch.equal(run([(0, 0)]), a) and torch.equal(run([(1, 0)]), b)
+    for p in (0, 17, 63, 64, 150, 299):
+        assert torch.equal(run([(0, p)])[0], a[p]), p  # decode tile / split prefill starting at p
+        assert torch.equal(run([(1, 76), (0, p)])[1], a[p]), p
+    kk, vv = ks[0].double().repeat_interleave(H // Hkv, 1), vs[0].double().repeat_interleave(H // Hkv, 1)
+    s = torch.einsum("thd,lhd->htl", qs[0].double(), kk) * D**-0.5
+    s = s.masked_fill(torch.ones(300, 300, device=DEV).triu(1).bool(), float("-inf"))
+    assert float((torch.einsum("htl,lhd->thd", s.softmax(-1), vv) - a.double()).abs().max()) < 2e-2
+    packed = packed_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), [0, lens[0], sum(lens)], D**-0.5)
+    assert torch.equal(packed, run([(0, 0), (1, 0)], torch.bfloat16))

@@ -1,4 +1,8 @@
-"""vLLM glue: attention backends routed to :func:`vllm_bi.ops.attention.causal_attention_rows`.
+"""vLLM glue: attention backends routed to the op library's batch-invariant attention.
+
+The op is :func:`vllm_bi.ops.attention_triton.paged_attention` (one Triton kernel) on CUDA and
+:func:`vllm_bi.ops.attention.causal_attention_rows` on CPU, as ``VLLM_BI_ATTENTION`` picks
+(:func:`vllm_bi.ops.attention_triton.attention_backend`; the trainer reads the same setting).
 
 The stock CPU_ATTN kernel packs its cache per ISA and picks its tiling from
 the batch; under batch invariance vllm_bi owns the cache layout instead
@@ -17,6 +21,7 @@ import torch
 
 from vllm_bi.attention.gdn_recurrent import host_to
 from vllm_bi.ops.attention import causal_attention_rows
+from vllm_bi.ops.attention_triton import attention_backend, paged_attention, tiles_for
 
 __all__ = ["bi_attn_forward", "bi_cpu_attn_forward", "bi_cpu_kv_cache_update"]
 
@@ -63,6 +68,11 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     d = two_d // 2
     q_all = query.reshape(query.shape[0], -1, d)
     dev = q_all.device
+    if attention_backend(dev) == "triton":
+        tiles = _tiles(attn_metadata, dev, q_all.shape[1], hkv)
+        paged_attention(q_all, kv_cache, attn_metadata.block_table, tiles, self.scale,
+                        out=output.view(output.shape[0], -1, d))
+        return output
     seq_t, positions = _rows(attn_metadata, dev)
     q_all = q_all[: len(positions)]
     table = attn_metadata.block_table
@@ -81,26 +91,47 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     return output
 
 
+def _step_cached(md, key: str, dev, build):
+    """``build()`` once per step: kept on the metadata object, which the step's attention layers share (every
+    read of a device tensor of the metadata synchronises the stream)."""
+    cached = getattr(md, key, None)
+    if cached is not None and cached[0] == dev:
+        return cached[1]
+    value = build()
+    try:
+        setattr(md, key, (dev, value))
+    except AttributeError:  # a metadata class with __slots__: build it per layer
+        pass
+    return value
+
+
+def _tiles(md, dev, h: int, hkv: int) -> torch.Tensor:
+    """The step's query tiles for the Triton kernel (:func:`tiles_for`), on ``dev``."""
+
+    def build():
+        qsl = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens.tolist()
+        n = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        return host_to(tiles_for(h, hkv, qsl[:-1], n, [L - k for L, k in zip(seq_lens, n)]), dev)
+
+    return _step_cached(md, "_vllm_bi_tiles", dev, build)
+
+
 def _rows(md, dev) -> tuple[torch.Tensor, list[int]]:
     """Each query row's sequence (on ``dev``) and absolute position, read from the metadata once per step
-    (every read of a device tensor synchronises the stream) and kept on the metadata object, which the step's
-    attention layers share."""
-    cached = getattr(md, "_vllm_bi_rows", None)
-    if cached is not None and cached[0] == dev:
-        return cached[1:]
-    qsl = md.query_start_loc.tolist()
-    seq_lens = md.seq_lens.tolist()
-    seq_of_row, positions = [], []
-    for i, L in enumerate(seq_lens):
-        n = qsl[i + 1] - qsl[i]
-        seq_of_row += [i] * n
-        positions += range(L - n, L)
-    seq_t = host_to(torch.tensor(seq_of_row, dtype=torch.long), dev)
-    try:
-        md._vllm_bi_rows = (dev, seq_t, positions)
-    except AttributeError:  # a metadata class with __slots__: read it per layer
-        pass
-    return seq_t, positions
+    (:func:`_step_cached`)."""
+
+    def build():
+        qsl = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens.tolist()
+        seq_of_row, positions = [], []
+        for i, L in enumerate(seq_lens):
+            n = qsl[i + 1] - qsl[i]
+            seq_of_row += [i] * n
+            positions += range(L - n, L)
+        return host_to(torch.tensor(seq_of_row, dtype=torch.long), dev), positions
+
+    return _step_cached(md, "_vllm_bi_rows", dev, build)
 
 
 bi_cpu_attn_forward = bi_attn_forward

@@ -634,9 +634,12 @@ def _worker_info(self) -> dict:
         from vllm_bi.model_executor.cuda import cuda_ops_mode
 
         ops = cuda_ops_mode()
+    from vllm_bi.ops.attention_triton import attention_backend
     from vllm_bi.ops.linear import gemm_mode
 
-    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode()}
+    device = "cuda" if current_platform.is_cuda() else "cpu"
+    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode(),
+            "device": device, "attention": attention_backend(device)}
 
 
 def _patch_worker_rpc() -> None:

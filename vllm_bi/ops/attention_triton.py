@@ -1,34 +1,72 @@
-"""Causal attention over a paged KV cache as one Triton kernel: one program per (query row, head).
+"""Causal attention as one Triton kernel on tensor cores, batch-invariant: the CUDA path of the attention op.
 
-A candidate CUDA path for :mod:`vllm_bi.ops.attention` (not wired into the server or the trainer yet: its
-bits differ from the torch op's, so both sides would switch together, after it is measured on a GPU).
+A *tile* is up to ``BLOCK_R`` consecutive query rows of one sequence; one program computes one tile for one KV
+head, with that head's ``G`` query heads folded into the matrix rows (``BLOCK_M = BLOCK_R * G'`` rows, ``G'``
+the group size rounded up to a power of two; padded rows are masked). A decode is a tile of one row; a prefill
+of ``n`` rows is ``ceil(n / BLOCK_R)`` tiles. The program walks the sequence's keys from key 0 in blocks of
+``BLOCK_N`` (key ``j`` lives in cache block ``table[seq, j // block_size]``) with an online softmax in fp32:
 
-Each program owns one query row at absolute position ``p`` of its sequence and one query head. It walks
-that sequence's keys ``0..p`` in blocks of ``BLOCK_N`` from key 0 (the block table maps key ``j`` to
-cache block ``table[seq, j // block_size]``), with an online softmax in fp32:
+* ``S = Q K^T`` on tensor cores (bf16 inputs, fp32 accumulation), scaled; keys after a row's position masked;
+* running max ``m``, denominator ``l`` and accumulator ``O`` updated once per key block, in key order;
+  ``O += P V`` with ``P`` rounded to the cache dtype, as fused attention kernels do;
+* output ``O / l``, rounded once.
 
-* ``s_j = sum_d q_d k_jd`` (fp32, one fixed-shape reduction per block), scaled;
-* running max ``m``, denominator ``l`` and accumulator ``acc`` updated once per block, in key order;
-* output ``acc / l``, rounded once.
+Why a row's bits do not depend on its tile: every program runs the same compiled kernel (the block sizes, warps
+and stages below are module constants, part of the arithmetic), a matrix-multiply row depends only on its own
+operand row, and the row reductions (max and sum over a key block) take the same path for every row. Blocks past
+a row's own position, walked because a later row of its tile needs them, are fully masked for it: ``m`` stays,
+``alpha = 1``, ``P = 0``, so ``l`` and ``O`` keep their bits. A row is thus computed identically as a decode,
+in a prefill (at any place in its tile), in a split prefill, and whatever is batched with it.
 
-The loop's bounds, the block partition and every reduction's shape depend on ``p`` and the constants only,
-never on the other rows, the batch, the number of query rows of the sequence or the cache's block size. A
-row's bits are then the same in a prefill, a split prefill or a one-token decode, and whatever is batched
-with it. Keys after ``p`` are masked to exact zeros; cache entries never read are never loaded.
+The server reads vLLM's paged cache (``kv_cache [num_blocks, Hkv, block_size, 2 D]``, key in ``[..., :D]``);
+the trainer packs its sequences' keys in the same layout with a block size of 1 (:func:`packed_attention`) and
+runs the same kernel, with a backward by PyTorch's attention (gradients need accuracy, not bits).
 
-Cache layout (vllm_bi's, also TRITON_ATTN's logical layout on CUDA): ``kv_cache [num_blocks, Hkv,
-block_size, 2 D]``, key in ``[..., :D]``, value in ``[..., D:]``.
+``VLLM_BI_ATTENTION`` picks the op: ``auto`` (default: this kernel on CUDA, :mod:`vllm_bi.ops.attention` on
+CPU), ``torch`` or ``triton`` everywhere. Server and trainer read it alike; their bits match only if they agree.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-__all__ = ["BLOCK_N", "paged_attention"]
+__all__ = ["ATTENTION_ENV", "BLOCK_M", "BLOCK_N", "attention_backend", "packed_attention", "paged_attention",
+           "rows_per_tile", "tiles_for"]
 
-BLOCK_N = 32  # keys per step of a row's loop: part of the arithmetic (changing it changes bits)
+ATTENTION_ENV = "VLLM_BI_ATTENTION"
+# part of the arithmetic: changing any of these changes bits (server and trainer must agree)
+BLOCK_M = 64  # matrix rows per program: query rows x (padded) query heads per KV head
+BLOCK_N = 32  # keys per step of the walk
+NUM_WARPS = 4
+NUM_STAGES = 2
 
 _KERNEL = None
+
+
+def attention_backend(device: torch.device | str) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device``, from ``VLLM_BI_ATTENTION`` (auto, torch, triton)."""
+    choice = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"{ATTENTION_ENV}={choice!r}: use auto (Triton on CUDA, torch on CPU), torch or triton")
+    dev_type = torch.device(device).type
+    if choice == "auto":
+        return "triton" if dev_type == "cuda" else "torch"
+    if choice == "triton" and dev_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{ATTENTION_ENV}=triton on {dev_type} needs TRITON_INTERPRET=1 (slow; for tests only)")
+    return choice
+
+
+def _group_pad(h: int, hkv: int) -> int:
+    if hkv <= 0 or h % hkv:
+        raise ValueError(f"attention: {h} query heads are not a multiple of {hkv} KV heads")
+    g = 1
+    while g < h // hkv:
+        g *= 2
+    if g > BLOCK_M:
+        raise ValueError(f"attention: {h // hkv} query heads per KV head exceed the kernel's {BLOCK_M} rows")
+    return g
 
 
 def _kernel():
@@ -38,53 +76,130 @@ def _kernel():
         import triton.language as tl
 
         @triton.jit
-        def paged_attention_kernel(q_ptr, o_ptr, kv_ptr, table_ptr, seq_ptr, pos_ptr, scale,
-                                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-                                   TABLE_W, BLOCK_N: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            h = tl.program_id(1)
-            kvh = h // (H // HKV)
-            seq = tl.load(seq_ptr + row).to(tl.int64)
-            p = tl.load(pos_ptr + row)
+        def attention_tiles_kernel(q_ptr, o_ptr, kv_ptr, table_ptr, tile_ptr, scale, block_size, table_w,
+                                   H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                                   GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                   DOT_F32: tl.constexpr):
+            t = tl.program_id(0).to(tl.int64)
+            kvh = tl.program_id(1)
+            seq = tl.load(tile_ptr + t * 4).to(tl.int64)
+            row0 = tl.load(tile_ptr + t * 4 + 1).to(tl.int64)
+            nrows = tl.load(tile_ptr + t * 4 + 2)
+            pos0 = tl.load(tile_ptr + t * 4 + 3)
+            i = tl.arange(0, BLOCK_M)
+            r = i // GP  # query row within the tile
+            g = i % GP  # query head within the KV head's group
+            live = (r < nrows) & (g < G)
+            head = kvh * G + g
             d = tl.arange(0, D)
-            q = tl.load(q_ptr + (row * H + h) * D + d).to(tl.float32)
-            m = tl.full([1], float("-inf"), tl.float32)
-            lsum = tl.zeros([1], tl.float32)
-            acc = tl.zeros([D], tl.float32)
-            for start in range(0, p + 1, BLOCK_N):
+            q = tl.load(q_ptr + ((row0 + r) * H + head)[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+            pos = pos0 + r
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            last = pos0 + nrows - 1
+            for start in range(0, last + 1, BLOCK_N):
                 j = start + tl.arange(0, BLOCK_N)
-                valid = j <= p
-                blk = tl.load(table_ptr + seq * TABLE_W + j // BS, mask=valid, other=0).to(tl.int64)
-                base = ((blk * HKV + kvh) * BS + j % BS) * (2 * D)
-                k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                v = tl.load(kv_ptr + base[:, None] + D + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-                s = tl.sum(k * q[None, :], axis=1) * scale
-                s = tl.where(valid, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, axis=0))
-                alpha = tl.exp(m - m_new)
-                e = tl.exp(s - m_new)  # masked -> exactly 0
-                lsum = lsum * alpha + tl.sum(e, axis=0)
-                acc = acc * alpha + tl.sum(e[:, None] * v, axis=0)
-                m = m_new
-            tl.store(o_ptr + (row * H + h) * D + d, (acc / lsum).to(o_ptr.dtype.element_ty))
+                kj = j <= last
+                blk = tl.load(table_ptr + seq * table_w + j // block_size, mask=kj, other=0).to(tl.int64)
+                base = ((blk * HKV + kvh) * block_size + j % block_size) * (2 * D)
+                k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kj[:, None], other=0.0)
+                v = tl.load(kv_ptr + base[:, None] + D + d[None, :], mask=kj[:, None], other=0.0)
+                if DOT_F32:  # Triton's CPU interpreter: its bf16 tl.dot is wrong; fp32 holds bf16 products exactly
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+                else:
+                    s = tl.dot(q, tl.trans(k)) * scale
+                s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])  # masked -> exactly 0
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if DOT_F32:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            out = acc / l_i[:, None]
+            tl.store(o_ptr + ((row0 + r) * H + head)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                     mask=live[:, None])
 
-        _KERNEL = paged_attention_kernel
+        _KERNEL = attention_tiles_kernel
     return _KERNEL
 
 
-def paged_attention(q: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, table: torch.Tensor,
-                    kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [T, H, D]`` query rows; ``seq [T]`` each row's sequence (a row of ``table``), ``pos [T]`` its absolute
-    position; ``table [N, W]`` block table; ``kv_cache [blocks, Hkv, block_size, 2 D]``. Returns ``[T, H, D]``
-    in ``q.dtype``. No autograd. Runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1``."""
+def rows_per_tile(h: int, hkv: int) -> int:
+    """Query rows per tile for ``h`` query and ``hkv`` KV heads."""
+    return BLOCK_M // _group_pad(h, hkv)
+
+
+def tiles_for(h: int, hkv: int, q_starts: list[int], n_rows: list[int], first_pos: list[int]) -> torch.Tensor:
+    """Host tile list ``[n_tiles, 4]`` int32 of (sequence, first q row, rows, first row's position): sequence ``i``
+    owns q rows ``q_starts[i] : q_starts[i] + n_rows[i]`` at positions ``first_pos[i] ...``."""
+    per = rows_per_tile(h, hkv)
+    tiles = [(i, s + o, min(per, n - o), p + o)
+             for i, (s, n, p) in enumerate(zip(q_starts, n_rows, first_pos)) for o in range(0, n, per)]
+    return torch.tensor(tiles, dtype=torch.int32).view(-1, 4)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, tiles: torch.Tensor,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [T, H, D]`` query rows; ``kv_cache [blocks, Hkv, block_size, 2 D]`` (contiguous); ``table [N, W]`` block
+    table (int); ``tiles`` from :func:`tiles_for`, on ``q``'s device. Writes the tiles' rows of ``out`` (default:
+    a new ``[T, H, D]`` in ``q.dtype``; rows in no tile are left as they are) and returns it. No autograd."""
     T, H, D = q.shape
     _, hkv, bs, two_d = kv_cache.shape
-    if two_d != 2 * D or H % hkv or D & (D - 1):
-        raise ValueError(f"paged_attention: q {tuple(q.shape)} and cache {tuple(kv_cache.shape)} do not fit "
-                         "(heads a multiple of the KV heads, cache last dim 2 D, D a power of two)")
-    out = torch.empty_like(q)
-    if T:
-        _kernel()[(T, H)](q.contiguous(), out, kv_cache.contiguous(), table.contiguous(), seq.contiguous(),
-                          pos.contiguous(), float(scale), H=H, HKV=hkv, D=D, BS=bs, TABLE_W=table.shape[1],
-                          BLOCK_N=BLOCK_N)
+    gp = _group_pad(H, hkv)
+    if two_d != 2 * D or D & (D - 1) or D < 16:
+        raise ValueError(f"attention: q {tuple(q.shape)} and cache {tuple(kv_cache.shape)} do not fit (cache last "
+                         "dim 2 D, D a power of two >= 16)")
+    if not kv_cache.is_contiguous():
+        raise ValueError("attention: the KV cache must be contiguous in [blocks, Hkv, block_size, 2 D]")
+    if out is None:
+        out = torch.empty_like(q)
+    if tiles.shape[0]:
+        _kernel()[(tiles.shape[0], hkv)](q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs,
+                                         table.shape[1], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M,
+                                         BLOCK_N=BLOCK_N, DOT_F32=q.device.type != "cuda", num_warps=NUM_WARPS,
+                                         num_stages=NUM_STAGES)
     return out
+
+
+def _packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    T, hkv, D = k.shape
+    kv = torch.cat([k, v], dim=-1).view(T, hkv, 1, 2 * D)  # block size 1: block j of sequence i is token cu[i] + j
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    width = max(lens, default=0)
+    table = (torch.tensor(cu[:-1], dtype=torch.int32).view(-1, 1) + torch.arange(max(width, 1), dtype=torch.int32))
+    table = torch.minimum(table, torch.tensor(max(T - 1, 0), dtype=torch.int32))  # entries past an end: never read
+    tiles = tiles_for(q.shape[1], hkv, cu[:-1], lens, [0] * len(lens))
+    return paged_attention(q, kv, table.to(q.device), tiles.to(q.device), scale)
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cu, scale):
+        ctx.save_for_backward(q, k, v)
+        ctx.cu, ctx.scale = cu, scale
+        return _packed_forward(q, k, v, cu, scale)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # the same function's gradient through PyTorch's attention, one sequence at a time (accuracy, not bits)
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b in zip(ctx.cu[:-1], ctx.cu[1:]):
+            if a == b:
+                continue
+            with torch.enable_grad():
+                qi, ki, vi = (x[a:b].transpose(0, 1).unsqueeze(0).detach().requires_grad_() for x in (q, k, v))
+                oi = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=ctx.scale,
+                                                                      enable_gqa=True)
+                gq, gk, gv = torch.autograd.grad(oi, (qi, ki, vi), grad_out[a:b].transpose(0, 1).unsqueeze(0))
+            dq[a:b], dk[a:b], dv[a:b] = (g.squeeze(0).transpose(0, 1) for g in (gq, gk, gv))
+        return dq, dk, dv, None, None
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    """Causal attention of packed sequences (sequence ``i`` owns rows ``cu[i]:cu[i+1]``, from position 0): ``q
+    [T, H, D]``, ``k, v [T, Hkv, D]``. The server's kernel and bits; differentiable in ``q``, ``k``, ``v``."""
+    return _PackedAttention.apply(q, k, v, list(cu), float(scale))

@@ -28,6 +28,7 @@ from vllm_bi.attention.gdn_recurrent import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
+from vllm_bi.ops.attention_triton import attention_backend, packed_attention
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, softmax_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
@@ -45,7 +46,10 @@ _ARCHS = {
 
 def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
     """Causal attention of packed sequences (sequence ``i`` owns rows ``cu[i]:cu[i+1]``, from position 0),
-    all rows at once: the op library's :func:`causal_attention_rows`, as the server calls it."""
+    all rows at once, with the op the server runs on this device (``VLLM_BI_ATTENTION``): the Triton kernel's
+    :func:`packed_attention` or the torch op's :func:`causal_attention_rows`."""
+    if attention_backend(q.device) == "triton":
+        return packed_attention(q, k, v, cu, scale)
     seq_t = torch.tensor([i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])], device=q.device)
     positions = [t - cu[i] for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])]
     start = torch.tensor(cu[:-1], device=q.device)
