@@ -82,6 +82,12 @@ SCRIPT = textwrap.dedent("""
         for cut in (1, 5, per + 1):
             if cut < lens[i]:
                 assert torch.equal(run([i], [cut], cache, table), parts[i][cut:]), (i, cut)
+    # blocks padded in memory (a hybrid model's attention blocks share the GDN state's page size)
+    pad = torch.full((cache.shape[0], cache[0].numel() + 48), float("nan")).bfloat16()
+    pad[:, : cache[0].numel()] = cache.reshape(cache.shape[0], -1)
+    strided = pad[:, : cache[0].numel()].view(cache.shape)
+    assert not strided.is_contiguous()
+    assert torch.equal(run(allseq, [0] * len(lens), strided, table), full)
     # another block size and block order
     cache32, table32 = cache_for(32)
     assert torch.equal(run(allseq, [0] * len(lens), cache32, table32), full)

@@ -77,6 +77,7 @@ def _kernel():
 
         @triton.jit
         def attention_tiles_kernel(q_ptr, o_ptr, kv_ptr, table_ptr, tile_ptr, scale, block_size, table_w,
+                                   stride_blk, stride_head, stride_tok,
                                    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                                    GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                    DOT_F32: tl.constexpr):
@@ -102,7 +103,7 @@ def _kernel():
                 j = start + tl.arange(0, BLOCK_N)
                 kj = j <= last
                 blk = tl.load(table_ptr + seq * table_w + j // block_size, mask=kj, other=0).to(tl.int64)
-                base = ((blk * HKV + kvh) * block_size + j % block_size) * (2 * D)
+                base = blk * stride_blk + kvh * stride_head + (j % block_size) * stride_tok
                 k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kj[:, None], other=0.0)
                 v = tl.load(kv_ptr + base[:, None] + D + d[None, :], mask=kj[:, None], other=0.0)
                 if DOT_F32:  # Triton's CPU interpreter: its bf16 tl.dot is wrong; fp32 holds bf16 products exactly
@@ -143,7 +144,8 @@ def tiles_for(h: int, hkv: int, q_starts: list[int], n_rows: list[int], first_po
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor, tiles: torch.Tensor,
                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``q [T, H, D]`` query rows; ``kv_cache [blocks, Hkv, block_size, 2 D]`` (contiguous); ``table [N, W]`` block
+    """``q [T, H, D]`` query rows; ``kv_cache [blocks, Hkv, block_size, 2 D]`` (any strides but the last: a hybrid
+    model's blocks may be padded to its GDN state pages); ``table [N, W]`` block
     table (int); ``tiles`` from :func:`tiles_for`, on ``q``'s device. Writes the tiles' rows of ``out`` (default:
     a new ``[T, H, D]`` in ``q.dtype``; rows in no tile are left as they are) and returns it. No autograd."""
     T, H, D = q.shape
@@ -152,13 +154,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor
     if two_d != 2 * D or D & (D - 1) or D < 16:
         raise ValueError(f"attention: q {tuple(q.shape)} and cache {tuple(kv_cache.shape)} do not fit (cache last "
                          "dim 2 D, D a power of two >= 16)")
-    if not kv_cache.is_contiguous():
-        raise ValueError("attention: the KV cache must be contiguous in [blocks, Hkv, block_size, 2 D]")
+    if kv_cache.stride(3) != 1:
+        raise ValueError(f"attention: the KV cache's last dim must be contiguous (strides {kv_cache.stride()})")
     if out is None:
         out = torch.empty_like(q)
     if tiles.shape[0]:
         _kernel()[(tiles.shape[0], hkv)](q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs,
-                                         table.shape[1], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M,
+                                         table.shape[1], *kv_cache.stride()[:3], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M,
                                          BLOCK_N=BLOCK_N, DOT_F32=q.device.type != "cuda", num_warps=NUM_WARPS,
                                          num_stages=NUM_STAGES)
     return out
