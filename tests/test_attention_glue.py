@@ -63,7 +63,7 @@ def test_a_server_on_vllms_own_kernels_is_a_settings_mismatch():
 
     assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi"}) is None
     assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "device": "cpu", "attention": "torch"}) is None
-    assert "VLLM_BI_ATTENTION" in settings_mismatch({"gdn_mode": "recurrent", "device": "cuda", "attention": "torch"})
+    assert "VLLM_BI_ATTENTION" in settings_mismatch({"gdn_mode": "recurrent", "device": "cpu", "attention": "triton"})
     assert "VLLM_BI_CUDA_OPS=vllm" in settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm"})
 
 

@@ -128,6 +128,8 @@ def test_backend_choice(monkeypatch):
     from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
 
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    assert attention_backend("cpu") == "torch"  # the default on CUDA: see ATTENTION_DEFAULT
+    monkeypatch.setenv(ATTENTION_ENV, "auto")
     assert attention_backend("cpu") == "torch" and attention_backend("cuda") == "triton"
     monkeypatch.setenv(ATTENTION_ENV, "torch")
     assert attention_backend("cuda") == "torch"
