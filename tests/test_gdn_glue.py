@@ -105,7 +105,15 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
     slot = [4, 0, 2]
     done = [0, 0, 0]
     outs = [[], [], []]
+    stored = []  # boundary states written per step: only new requests and those reaching a block boundary
+    real_store = G.store_slots
+
+    def store(cache, slot_t, states, kv_layout):
+        stored[-1] += slot_t.numel()
+        return real_store(cache, slot_t, states, kv_layout)
+
     for step in steps:
+        stored.append(0)
         reqs = [i for i in range(3) if step[i]]
         qsl = [0]
         for i in reqs:
@@ -119,12 +127,13 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
         o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
         with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
                 mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
-                mock.patch.object(G, "_kv_layout", return_value=kv_layout):
+                mock.patch.object(G, "_kv_layout", return_value=kv_layout), mock.patch.object(G, "store_slots", store):
             G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
         for j, i in enumerate(reqs):
             outs[i].append(o[qsl[j] : qsl[j + 1]])
             done[i] += step[i]
     assert done == total
+    assert stored == [3, 1, 1, 0]  # step 1: request 0 crosses 64, the decodes of 1 and 2 do not; step 3: none
     cu = [0, *torch.tensor(total).cumsum(0).tolist()]
     w = layer.conv1d.weight.reshape(D, W)
     ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(3)], w,

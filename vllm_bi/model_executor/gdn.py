@@ -142,8 +142,9 @@ class StepPlan:
     (device), ``fresh`` (device indices of the new requests, whose states start from zeros; None if none) and,
     for the chunk mode, each one's number of already computed tokens ``starts``."""
 
-    def __init__(self, ranges, rows, slot_t, fresh, starts):
+    def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=()):
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
+        self.fresh_host = list(fresh_host)  # ``fresh`` on the host
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
 
 
@@ -171,7 +172,7 @@ def step_plan(md, dev) -> StepPlan | None:
             computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
             starts = [computed[i] for i in seqs]
         result = StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
-                          host_to(torch.tensor(fresh), dev) if fresh else None, starts)
+                          host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh)
     try:
         md._vllm_bi_plan = (dev, result)
     except AttributeError:  # a metadata class with __slots__: build it per layer
@@ -255,7 +256,12 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
         layer.activation, mode="chunk", packed=True,
     )
     out[plan.rows] = o[ix.keep_rows].to(out.dtype)
-    store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
+    # a request that reached no new block boundary gets back its input state, bit for bit: its slot already
+    # holds it (unless it is new), so only the others are stored (at decode, about 1 request in CHUNK)
+    if ix.store is None:
+        store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
+    elif ix.store.numel():
+        store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
     if dim_first:
         new_hist = new_hist.transpose(1, 2)
     conv_cache[plan.slot_t] = new_hist.to(conv_cache.dtype)
@@ -265,11 +271,13 @@ class _ChunkIndex:
     """The chunk mode's gathers for one step (the same for every GDN layer): rows of ``src = [all histories;
     new raw rows]`` for each request's conv state before its partial block (``conv_rows``), its partial
     block's cached rows then its new rows (``block_rows``; packed ``ranges``), its new history
-    (``hist_rows``), and the rows of the packed output that are new tokens (``keep_rows``)."""
+    (``hist_rows``), the rows of the packed output that are new tokens (``keep_rows``), and the requests whose
+    boundary state must be stored (``store``: new ones and those that reached a new block boundary; None:
+    every request)."""
 
-    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows):
+    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows, store):
         self.conv_rows, self.block_rows, self.hist_rows = conv_rows, block_rows, hist_rows
-        self.ranges, self.keep_rows = ranges, keep_rows
+        self.ranges, self.keep_rows, self.store = ranges, keep_rows, store
 
 
 def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
@@ -295,11 +303,14 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
     bounds = [0, *blk_len.cumsum(0).tolist()]
     keep = (R - first).tolist()
     keep_rows = torch.cat([torch.arange(bounds[j] + keep[j], bounds[j + 1]) for j in range(N)])
+    fresh = set(plan.fresh_host)
+    store = torch.tensor([j for j in range(N) if j in fresh or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK],
+                         dtype=torch.long)
     parts = [spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R)),
-             keep_rows]
+             keep_rows, store]
     dev_parts = host_to(torch.cat(parts), dev).split([p_.numel() for p_ in parts])
     ix = _ChunkIndex(dev_parts[0], dev_parts[1], dev_parts[2], [(bounds[j], bounds[j + 1]) for j in range(N)],
-                     dev_parts[3])
+                     dev_parts[3], None if store.numel() == N else dev_parts[4])
     plan.chunk[key] = ix
     return ix
 
