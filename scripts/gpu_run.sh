@@ -67,7 +67,12 @@ job_check() {
   python3 - <<'PY'
 import importlib.metadata as md, torch, triton
 import vllm, fla
-print("torch", torch.__version__, "triton", triton.__version__, "vllm", vllm.__version__, "fla", md.version("fla-core"))
+def ver(dist):
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return getattr(vllm, "__version__", "?") if dist == "vllm" else "?"
+print("torch", torch.__version__, "triton", triton.__version__, "vllm", ver("vllm"), "fla", ver("fla-core"))
 print("device", torch.cuda.get_device_name(), "cc", torch.cuda.get_device_capability())
 eps = [e for e in md.entry_points(group="vllm.general_plugins")]
 print("vllm.general_plugins:", [(e.name, e.value) for e in eps])

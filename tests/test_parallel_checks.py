@@ -1,4 +1,5 @@
-"""Engine-creation checks of parallel settings (``patches._check_parallelism``) on stand-in configs."""
+"""Engine-creation checks of parallel settings (``patches._check_parallelism``) and of the attention op setting on
+stand-in configs."""
 
 from types import SimpleNamespace
 
@@ -14,8 +15,8 @@ def _config(tp=1, pp=1, key_heads=2, value_heads=4, experts=0, ep=False):
     return SimpleNamespace(parallel_config=par, model_config=SimpleNamespace(hf_text_config=hf))
 
 
-CPU = SimpleNamespace(is_cpu=lambda: True)
-CUDA = SimpleNamespace(is_cpu=lambda: False)
+CPU = SimpleNamespace(is_cpu=lambda: True, is_cuda=lambda: False)
+CUDA = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True)
 
 
 def test_tp_must_divide_the_gdn_heads():
@@ -55,3 +56,17 @@ def test_moe_with_expert_parallel_refused_on_cpu():
     _check_parallelism(_config(tp=2, experts=8), CPU)
     with pytest.raises(BatchInvarianceConfigError, match="MoE"):
         _check_parallelism(_config(tp=2, experts=8, ep=True), CPU)
+
+
+def test_attention_op_setting_is_checked_at_engine_creation(monkeypatch):
+    from vllm_bi.model_executor.patches import _check_attention_op
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
+    with pytest.raises(BatchInvarianceConfigError, match="TRITON_INTERPRET=1"):
+        _check_attention_op(CPU)
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "fast")
+    with pytest.raises(BatchInvarianceConfigError, match="auto .* torch or triton"):
+        _check_attention_op(CPU)
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
+    _check_attention_op(CPU)

@@ -42,10 +42,18 @@ def _cmd_info(args) -> int:
             print(f"{dist}: not found ({e})")
     from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
     from vllm_bi.model_executor.cuda import cuda_ops_mode
+    from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
 
+    def attention_on(dev):
+        try:
+            return attention_backend(dev)
+        except RuntimeError as e:  # triton on CPU without the interpreter: refused where it would run
+            return f"refused ({e})"
+
     print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}; "
-          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}")
+          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}; attention op ({ATTENTION_ENV}): {attention_on('cpu')} on "
+          f"CPU, {attention_on('cuda')} on CUDA")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1
@@ -184,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sample completions from a VLLM_BATCH_INVARIANT=1 server (started here unless --server is "
         "given), recompute every sampled token's logprob with the trainer model, print a table. "
         "Exit status 0 only when every token is bitwise equal; 1 when some differ; 2 when the server's vllm_bi "
-        "settings (GDN mode VLLM_BI_GDN_MODE, GEMM mode VLLM_BI_GEMM, CUDA op mode VLLM_BI_CUDA_OPS) make "
+        "settings (GDN mode VLLM_BI_GDN_MODE, GEMM mode VLLM_BI_GEMM, CUDA op mode VLLM_BI_CUDA_OPS, attention "
+        "op VLLM_BI_ATTENTION) make "
         "equality impossible, before sampling.",
     )
     pa.add_argument("--model", required=True, help="local HF checkpoint directory (served and loaded by the trainer)")

@@ -163,6 +163,7 @@ def _patch_engine_args() -> None:
             )
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
+        _check_attention_op(current_platform)
         return config
 
     create_engine_config._vllm_bi = True
@@ -170,6 +171,18 @@ def _patch_engine_args() -> None:
 
 
 UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
+
+
+def _check_attention_op(platform) -> None:
+    """``VLLM_BI_ATTENTION`` read at engine creation, so a bad value stops the server at start-up, not at its
+    first request."""
+    from vllm_bi.ops.attention_triton import attention_backend
+
+    try:
+        op = attention_backend("cuda" if platform.is_cuda() else "cpu")
+    except (ValueError, RuntimeError) as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    logger.info("vllm_bi: attention op %s (VLLM_BI_ATTENTION)", op)
 
 
 def _check_parallelism(config, platform) -> None:
