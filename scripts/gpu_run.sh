@@ -2,6 +2,7 @@
 # Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
 #                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
+#                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
 #                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
@@ -110,6 +111,10 @@ while [ $# -gt 0 ]; do
         && python3 gdn_layer.py --part layer --out "$LOG/bench_gdn_layer.md" "${args[@]}" \
         && python3 gdn_layer.py --part train --out "$LOG/bench_gdn_train.md" "${args[@]}" \
         && python3 bi_gemm.py --out "$LOG/bench_bi_gemm.md" ) 2>&1 | tee "$LOG/bench.log" ;;
+    gemm-tune)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO/benchmarks" && python3 bi_gemm_tune.py --out "$LOG/bench_gemm_tune.md" \
+        --out-json "$LOG/bi_gemm_tiles.json" "${args[@]}" ) 2>&1 | tee "$LOG/gemm-tune.log" ;;
     e2e)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 generate_throughput.py --stock-args "--gdn-prefill-backend triton" \

@@ -59,14 +59,25 @@ def test_moe_with_expert_parallel_refused_on_cpu():
 
 
 def test_attention_op_setting_is_checked_at_engine_creation(monkeypatch):
-    from vllm_bi.model_executor.patches import _check_attention_op
+    from vllm_bi.model_executor.patches import _check_op_settings
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
     with pytest.raises(BatchInvarianceConfigError, match="TRITON_INTERPRET=1"):
-        _check_attention_op(CPU)
+        _check_op_settings(CPU)
     monkeypatch.setenv("VLLM_BI_ATTENTION", "fast")
     with pytest.raises(BatchInvarianceConfigError, match="auto .* torch or triton"):
-        _check_attention_op(CPU)
+        _check_op_settings(CPU)
     monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
-    _check_attention_op(CPU)
+    _check_op_settings(CPU)
+
+
+def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatch):
+    from vllm_bi.model_executor.patches import _check_op_settings
+
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
+    bad = tmp_path / "tiles.json"
+    bad.write_text('{"format": 1, "arch": "hopper", "shapes": {}}')
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(bad))
+    with pytest.raises(BatchInvarianceConfigError, match="no shapes"):
+        _check_op_settings(CPU)

@@ -140,6 +140,12 @@ def settings_mismatch(info: dict) -> str | None:
     if info.get("gemm", "fp64") != gemm_mode():
         return (f"the server's GEMMs run in mode {info.get('gemm')!r}, this trainer's in {gemm_mode()!r}; set "
                 f"{GEMM_ENV} to the same value on both sides")
+    if gemm_mode() == "triton" and "gemm_configs" in info:
+        from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, table_digest
+
+        if info["gemm_configs"] != table_digest():
+            return (f"the server's Triton GEMM tiles come from table {info['gemm_configs']!r}, this trainer's from "
+                    f"{table_digest()!r}; set {GEMM_CONFIGS_ENV} to the same file on both sides")
     if "attention" in info:
         from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
 

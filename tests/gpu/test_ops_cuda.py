@@ -133,3 +133,30 @@ def test_triton_attention_rows_invariant_on_cuda(H, Hkv, D):
     assert float((torch.einsum("htl,lhd->thd", s.softmax(-1), vv) - a.double()).abs().max()) < 2e-2
     packed = packed_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), [0, lens[0], sum(lens)], D**-0.5)
     assert torch.equal(packed, run([(0, 0), (1, 0)], torch.bfloat16))
+
+
+def test_triton_gemm_tiles_by_batch_size_keep_rows_equal(tmp_path, monkeypatch):
+    """The Triton GEMM mode with a tile table whose BLOCK_M, BLOCK_N, warps and stages change with M (one BLOCK_K
+    per shape, ``VLLM_BI_GEMM_CONFIGS``): each row of an M-row batch equals the same row of the largest batch."""
+    import json
+
+    from vllm_bi.ops import gemm_configs
+    from vllm_bi.ops.linear import bi_linear
+
+    N, K = 3072, 4096
+    buckets = [[1, 16, 64, 4, 3], [16, 16, 256, 8, 4], [64, 32, 128, 4, 4], [512, 64, 256, 8, 3],
+               [4096, 128, 128, 8, 3]]
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({"format": 1, "arch": "hopper", "shapes": {f"{N}x{K}": {"block_k": 64,
+                                                                                      "m_buckets": buckets}}}))
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(path))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(N, K, generator=g) * 0.02).bfloat16().to(DEV)
+    x = torch.randn(5000, K, generator=g).bfloat16().to(DEV)
+    full = bi_linear(x, w)
+    for m in (1, 2, 15, 16, 17, 64, 65, 300, 512, 513, 4096, 4097):
+        assert torch.equal(bi_linear(x[:m], w), full[:m]), m
+    err = (full[:64].double() - (x[:64].double() @ w.double().t())).abs().max().item()
+    assert err < 2e-2, err  # bf16 output of an fp32 accumulation
+    gemm_configs._installed.clear()

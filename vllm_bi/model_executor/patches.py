@@ -163,7 +163,7 @@ def _patch_engine_args() -> None:
             )
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
-        _check_attention_op(current_platform)
+        _check_op_settings(current_platform)
         return config
 
     create_engine_config._vllm_bi = True
@@ -173,16 +173,24 @@ def _patch_engine_args() -> None:
 UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
 
 
-def _check_attention_op(platform) -> None:
-    """``VLLM_BI_ATTENTION`` read at engine creation, so a bad value stops the server at start-up, not at its
-    first request."""
+def _check_op_settings(platform) -> None:
+    """``VLLM_BI_ATTENTION`` and ``VLLM_BI_GEMM_CONFIGS`` read at engine creation, so a bad value stops the server
+    at start-up, not at its first request."""
     from vllm_bi.ops.attention_triton import attention_backend
+    from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, load_table
+    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
 
     try:
         op = attention_backend("cuda" if platform.is_cuda() else "cpu")
+        tiles = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
+        if tiles:
+            arch, shapes = load_table(tiles)
     except (ValueError, RuntimeError) as e:
         raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
     logger.info("vllm_bi: attention op %s (VLLM_BI_ATTENTION)", op)
+    if tiles:
+        logger.info("vllm_bi: Triton GEMM tiles for %d weight shapes (%s) from %s%s", len(shapes), arch, tiles,
+                    "" if gemm_mode() == "triton" else f"; unused: {GEMM_ENV} is not 'triton'")
 
 
 def _check_parallelism(config, platform) -> None:
@@ -648,11 +656,12 @@ def _worker_info(self) -> dict:
 
         ops = cuda_ops_mode()
     from vllm_bi.ops.attention_triton import attention_backend
+    from vllm_bi.ops.gemm_configs import table_digest
     from vllm_bi.ops.linear import gemm_mode
 
     device = "cuda" if current_platform.is_cuda() else "cpu"
     return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode(),
-            "device": device, "attention": attention_backend(device)}
+            "device": device, "attention": attention_backend(device), "gemm_configs": table_digest()}
 
 
 def _patch_worker_rpc() -> None:

@@ -15,6 +15,7 @@ ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (ex
 measured) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
 (fixed tiles, no split-K, one shape-wide BLOCK_K: a row's bits cannot depend on M). Server and trainer then
 share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``vllm-bi parity`` checks it).
+Its tiles per weight shape and batch-size bucket can be tuned (``VLLM_BI_GEMM_CONFIGS``, :mod:`.gemm_configs`).
 Products asked for in another output dtype (the fp32 lm_head) stay in float64; tensor parallelism is refused
 in this mode (its row-parallel partials are float64 sums, the trainer's unsharded GEMM would not be).
 """
@@ -62,6 +63,9 @@ class _PersistentLinear(torch.autograd.Function):
 def _persistent_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from vllm.model_executor.determinism.batch_invariant import matmul_persistent
 
+    from vllm_bi.ops.gemm_configs import install_gemm_configs
+
+    install_gemm_configs()  # VLLM_BI_GEMM_CONFIGS's tiles, if any (once per process)
     return matmul_persistent(a, b, bias)
 
 

@@ -1,0 +1,85 @@
+"""The Triton GEMM mode's tuned tiles (``vllm_bi.ops.gemm_configs``): a table file is checked (each bad entry
+named), installed into vLLM 0.32's batch-invariant matmul table so vLLM's own config lookup returns its tiles per
+M bucket, and named by a digest that the trainer compares with the server's. Speed and the GPU's bits:
+``benchmarks/bi_gemm_tune.py`` and ``tests/gpu/test_ops_cuda.py``."""
+
+import json
+
+import pytest
+
+from vllm_bi.ops import gemm_configs as G
+
+TABLE = {"format": 1, "arch": "hopper", "device": "test", "command": "test",
+         "shapes": {"12288x4096": {"block_k": 64, "m_buckets": [[1, 16, 128, 8, 3], [64, 32, 64, 4, 4],
+                                                                [2048, 128, 128, 8, 3]]}}}
+
+
+def write(tmp_path, doc, name="t.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
+def test_install_puts_the_tiles_in_vllms_lookup(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE))
+    saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS.get("hopper", {}))
+    try:
+        digest = G.install_gemm_configs()
+        assert digest == G.table_digest() and len(digest) == 16
+        monkeypatch.setattr(C, "_get_tuned_matmul_arch_family", lambda cap: "hopper")
+        monkeypatch.setattr(C.current_platform, "is_cuda", lambda: True, raising=False)
+        monkeypatch.setattr(C.current_platform, "get_device_capability", lambda: None, raising=False)
+        default = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+                   "num_stages": 3, "num_warps": 8}
+        C._TUNED_MATMUL_CONFIGS_RESOLVED = False
+        got = {m: C._get_matmul_config(m, 12288, 4096, torch.bfloat16, default) for m in (1, 2, 64, 65, 9000)}
+        assert (got[1]["BLOCK_SIZE_M"], got[1]["BLOCK_SIZE_N"], got[1]["num_warps"]) == (16, 128, 8)
+        assert (got[2]["BLOCK_SIZE_M"], got[64]["BLOCK_SIZE_M"], got[64]["num_stages"]) == (32, 32, 4)
+        assert got[65]["BLOCK_SIZE_M"] == 128 and got[9000]["BLOCK_SIZE_M"] == 128  # the last bucket: larger M
+        assert {g["BLOCK_SIZE_K"] for g in got.values()} == {64}  # one BLOCK_K per shape: the K loop is fixed
+        assert C._get_matmul_config(1, 4096, 4096, torch.bfloat16, default) == default  # not in the table
+    finally:
+        C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
+        C._TUNED_MATMUL_CONFIGS_RESOLVED = False
+        G._installed.clear()
+
+
+def test_digest_names_the_file_and_none_without_one(tmp_path, monkeypatch):
+    monkeypatch.delenv(G.GEMM_CONFIGS_ENV, raising=False)
+    assert G.table_digest() == "none" and G.install_gemm_configs() == "none"
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE, "a.json"))
+    a = G.table_digest()
+    other = dict(TABLE, device="other")
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, other, "b.json"))
+    assert G.table_digest() != a
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot read it"):
+        G.table_digest()
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda d: d.update(format=2), "format-1"),
+    (lambda d: d.update(arch="volta"), "unknown arch"),
+    (lambda d: d["shapes"].update({"12288": {"block_k": 64, "m_buckets": [[1, 16, 16, 4, 3]]}}), "NxK"),
+    (lambda d: d["shapes"]["12288x4096"].update(block_k=48), "power of two"),
+    (lambda d: d["shapes"]["12288x4096"]["m_buckets"].append([8, 16, 64, 4, 3]), "must increase"),
+    (lambda d: d["shapes"]["12288x4096"]["m_buckets"].append([9999, 16, 64, 4]), "is not"),
+    (lambda d: d.update(shapes={}), "no shapes"),
+])
+def test_bad_tables_are_refused_by_name(tmp_path, change, match):
+    doc = json.loads(json.dumps(TABLE))
+    change(doc)
+    with pytest.raises(ValueError, match=match):
+        G.load_table(write(tmp_path, doc))
+
+
+def test_trainer_refuses_a_server_with_other_tiles(tmp_path, monkeypatch):
+    from vllm_bi.parity import settings_mismatch
+
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE))
+    info = {"gdn_mode": "recurrent", "gemm": "triton", "ops": "vllm_bi", "gemm_configs": "none"}
+    assert G.GEMM_CONFIGS_ENV in settings_mismatch(info)
+    assert settings_mismatch(dict(info, gemm_configs=G.table_digest())) is None

@@ -1,0 +1,116 @@
+"""Tuned tile configs for the Triton GEMM mode (``VLLM_BI_GEMM=triton``), per weight shape and batch-size bucket.
+
+vLLM 0.32's batch-invariant persistent matmul picks its tiles from a table keyed by the weight's ``(N, K)``:
+one ``BLOCK_K`` per shape and, per bucket of ``M`` (the rows of the batch), ``BLOCK_M``, ``BLOCK_N``, warps and
+stages. A row's bits depend on the ``K`` loop only (``BLOCK_K`` and its order), so the other choices may follow
+``M`` without changing them (checked on the GPU: ``tests/gpu/test_ops_cuda.py``, ``benchmarks/bi_gemm_tune.py``).
+vLLM's table covers a few Qwen3-1.7B shapes; every other shape runs one default tile (128 x 128 x 64), which
+leaves most of a GPU idle at small ``M`` and is 1.4-4.6x cuBLAS at Qwen3.5-9B's shapes on the H200.
+
+``VLLM_BI_GEMM_CONFIGS=<file.json>`` adds a table made by ``benchmarks/bi_gemm_tune.py`` (format 1)::
+
+    {"format": 1, "arch": "hopper", "device": "...", "command": "...",
+     "shapes": {"12288x4096": {"block_k": 64, "m_buckets": [[1, 16, 128, 8, 3], [4, ...], ...]}}}
+
+where ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
+bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward too: server and
+trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer refuses a
+server whose digest differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+__all__ = ["GEMM_CONFIGS_ENV", "install_gemm_configs", "load_table", "table_digest"]
+
+GEMM_CONFIGS_ENV = "VLLM_BI_GEMM_CONFIGS"
+_installed: dict[str, str] = {}  # path -> digest of the table installed in this process
+
+
+def _path() -> str | None:
+    return os.environ.get(GEMM_CONFIGS_ENV, "").strip() or None
+
+
+def table_digest() -> str:
+    """A short name of the table this process uses: ``"none"`` (vLLM's own) or the file's sha256 prefix."""
+    path = _path()
+    if path is None:
+        return "none"
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError as e:
+        raise ValueError(f"{GEMM_CONFIGS_ENV}={path}: cannot read it ({e}); fix the path or unset it") from None
+
+
+def _pow2(x) -> bool:
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
+
+def load_table(path: str) -> tuple[str, dict[tuple[int, int], tuple[int, list[tuple[int, int, int, int, int]]]]]:
+    """Read and check a table file: ``(arch, {(N, K): (block_k, [(max_m, block_m, block_n, warps, stages)])})``.
+    Raises ``ValueError`` naming the file and the bad entry."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{GEMM_CONFIGS_ENV}={path}: {why} (make the file with benchmarks/bi_gemm_tune.py)")
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise bad(f"cannot read it as JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != 1:
+        raise bad("not a format-1 table")
+    arch = doc.get("arch")
+    if arch not in ("ada", "hopper", "blackwell", "sm120"):
+        raise bad(f"unknown arch {arch!r} (ada, hopper, blackwell or sm120)")
+    shapes = {}
+    for key, entry in (doc.get("shapes") or {}).items():
+        try:
+            n, k = (int(v) for v in key.split("x"))
+            block_k = entry["block_k"]
+            buckets = [tuple(b) for b in entry["m_buckets"]]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise bad(f"shape {key!r}: expected \"NxK\": {{\"block_k\": ..., \"m_buckets\": [...]}}") from None
+        if not _pow2(block_k) or not buckets:
+            raise bad(f"shape {key}: block_k must be a power of two and m_buckets non-empty")
+        last = 0
+        for b in buckets:
+            if len(b) != 5 or not all(isinstance(v, int) for v in b):
+                raise bad(f"shape {key}: bucket {list(b)} is not [max M, BLOCK_M, BLOCK_N, warps, stages]")
+            max_m, bm, bn, warps, stages = b
+            if max_m <= last or not (_pow2(bm) and _pow2(bn) and _pow2(warps)) or stages < 1:
+                raise bad(f"shape {key}: bucket {list(b)}: max M must increase; block sizes and warps powers of two")
+            last = max_m
+        shapes[(n, k)] = (block_k, buckets)
+    if not shapes:
+        raise bad("no shapes")
+    return arch, shapes
+
+
+def install_gemm_configs() -> str:
+    """Add ``VLLM_BI_GEMM_CONFIGS``'s table to vLLM's (idempotent per file). Returns :func:`table_digest`.
+    Called before the Triton GEMM mode's first product, in the server and in the trainer alike."""
+    path = _path()
+    if path is None:
+        return "none"
+    if path in _installed:
+        return _installed[path]
+    try:
+        from vllm.model_executor.determinism import batch_invariant_configs as C
+
+        shape_cls, m_cls = C._MatmulShapeConfig, C._MatmulMConfig
+        tables = C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"{GEMM_CONFIGS_ENV}: this vLLM has no batch-invariant matmul config table ({e}); "
+                           "vllm_bi supports vllm==0.32.0. Unset it.") from None
+    arch, shapes = load_table(path)
+    table = tables.setdefault(arch, {})
+    for (n, k), (block_k, buckets) in shapes.items():
+        table[(n, k)] = shape_cls(block_k=block_k, m_buckets=tuple(
+            (max_m, m_cls(bm, bn, warps, stages)) for max_m, bm, bn, warps, stages in buckets))
+    C._TUNED_MATMUL_CONFIGS_RESOLVED = False  # vLLM reads its table for this device again
+    _installed[path] = table_digest()
+    return _installed[path]
