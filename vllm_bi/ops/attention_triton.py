@@ -162,6 +162,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor
         raise ValueError(f"attention: the KV cache's last dim must be contiguous (strides {kv_cache.stride()})")
     if out is None:
         out = torch.empty_like(q)
+    elif out.shape != q.shape or not out.is_contiguous():
+        raise ValueError(f"attention: out must be a contiguous {tuple(q.shape)} tensor (got {tuple(out.shape)}, "
+                         f"strides {out.stride()})")
     if tiles.shape[0]:
         _kernel()[(tiles.shape[0], hkv)](q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs,
                                          table.shape[1], *kv_cache.stride()[:3], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M,
