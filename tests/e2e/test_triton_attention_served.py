@@ -1,0 +1,48 @@
+"""The Triton attention op (``VLLM_BI_ATTENTION=triton``, meant for CUDA) served end to end on CPU through Triton's
+interpreter: a real ``vllm serve`` whose attention layers run the kernel in the paged cache, and ``vllm-bi parity``
+whose trainer runs it on packed sequences: every sampled token's logprob equal. A trainer on the torch op is
+refused before sampling (exit 2), since the two ops give other bits."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from vllm_bi.testing.server import VllmServer, cpu_env
+
+pytestmark = pytest.mark.server
+
+EXE = os.path.join(os.path.dirname(sys.executable), "vllm-bi")
+TRITON_ENV = {"VLLM_BI_ATTENTION": "triton", "TRITON_INTERPRET": "1"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # the settings check reads vllm_bi_info over /collective_rpc
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    pytest.importorskip("triton")
+    model = tiny_model_path("qwen3.5")
+    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
+                    env=cpu_env(True, dict(TRITON_ENV, **DEV_MODE))) as srv:
+        yield model, srv.url
+
+
+def _parity(env, *args):
+    return subprocess.run([EXE, "parity", *args], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, **env))
+
+
+def test_trainer_equals_server_with_the_triton_attention(server):
+    model, url = server
+    r = _parity(TRITON_ENV, "--model", model, "--server", url, "--n", "2", "--max-tokens", "12", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["tokens"] == 8 * 2 * 12 and rep["bitwise_equal"] == rep["tokens"], rep
+
+
+def test_a_trainer_on_the_torch_attention_is_refused(server):
+    model, url = server
+    r = _parity({"VLLM_BI_ATTENTION": "torch"}, "--model", model, "--server", url, "--n", "1", "--max-tokens", "4")
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert "VLLM_BI_ATTENTION" in r.stderr and "triton" in r.stderr
