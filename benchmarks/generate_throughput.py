@@ -14,7 +14,8 @@ phases, each with ``--requests`` concurrent requests of distinct random prompts 
 Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock-eager`` (the same with
 ``--enforce-eager``: BI mode runs eagerly, so this separates the CUDA-graph share of the gap),
 ``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin, ``VLLM_BI_GDN_MODE``, float64 GEMMs) and
-``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). Ratios are stock / mode
+``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). ``VLLM_BI_ATTENTION`` and
+``VLLM_BI_GEMM_CONFIGS`` pass from the environment to the BI modes (the table's header names them). Ratios are stock / mode
 throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut run keeps
 what it measured.
 """
@@ -99,7 +100,9 @@ def main() -> int:
     max_len = args.prompt_len + args.max_tokens + 16
     head = [f"# end-to-end generation through `vllm serve`: {args.requests} concurrent requests, "
             f"{args.prompt_len}-token prompts, {args.max_tokens} generated tokens; model {args.model}",
-            "", "command: " + shlex.join([sys.executable, *sys.argv]), "",
+            "", "command: " + shlex.join([sys.executable, *sys.argv]),
+            "", "BI modes' settings from the environment: " + ", ".join(
+                f"{k}={os.environ.get(k, '(unset)')}" for k in ("VLLM_BI_ATTENTION", "VLLM_BI_GEMM_CONFIGS")), "",
             "| mode | prefill tok/s | x slower than stock | generate tok/s | x slower than stock | "
             "prefill wall s | generate wall s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
