@@ -126,7 +126,8 @@ def main() -> None:
         default(n, k)
         for m, (t, cfg) in picks:
             rows.append(f"| {what} | {n} x {k} | {m} | {cublas[m]:.3f} | {vdef[m]:.3f} | {vdef[m] / cublas[m]:.2f}x | "
-                        f"{t:.3f} | {t / cublas[m]:.2f}x | {', '.join(map(str, cfg))} (K {bk}){'' if same else ' **rows differ by M**'} |")
+                        f"{t:.3f} | {t / cublas[m]:.2f}x | {', '.join(map(str, cfg))} (K {bk})"
+                        f"{'' if same else ' **rows differ by M**'} |")
             print(rows[-1], flush=True)
     rows += ["", f"rows equal whatever the batch: {'all shapes' if not failed else 'NOT for ' + ', '.join(failed)}; "
              f"{time.time() - t0:.0f} s"]
@@ -134,7 +135,8 @@ def main() -> None:
     if out["shapes"]:
         with open(args.out_json, "w") as f:
             json.dump(out, f, indent=1)
-        print(f"wrote {args.out_json} ({len(out['shapes'])} shapes): VLLM_BI_GEMM_CONFIGS={os.path.abspath(args.out_json)}")
+        print(f"wrote {args.out_json} ({len(out['shapes'])} shapes): "
+              f"VLLM_BI_GEMM_CONFIGS={os.path.abspath(args.out_json)}")
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(rows) + "\n")

@@ -166,10 +166,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor
         raise ValueError(f"attention: out must be a contiguous {tuple(q.shape)} tensor (got {tuple(out.shape)}, "
                          f"strides {out.stride()})")
     if tiles.shape[0]:
-        _kernel()[(tiles.shape[0], hkv)](q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs,
-                                         table.shape[1], *kv_cache.stride()[:3], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M,
-                                         BLOCK_N=BLOCK_N, DOT_F32=q.device.type != "cuda", num_warps=NUM_WARPS,
-                                         num_stages=NUM_STAGES)
+        _kernel()[(tiles.shape[0], hkv)](
+            q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs, table.shape[1],
+            *kv_cache.stride()[:3], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            DOT_F32=q.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 
