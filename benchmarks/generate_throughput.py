@@ -16,8 +16,8 @@ Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock
 ``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin, ``VLLM_BI_GDN_MODE``, float64 GEMMs) and
 ``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). ``VLLM_BI_ATTENTION`` and
 ``VLLM_BI_GEMM_CONFIGS`` pass from the environment to the BI modes (the table's header names them). Ratios are
-stock / mode throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut run keeps
-what it measured.
+stock / mode throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut
+run keeps what it measured.
 """
 
 from __future__ import annotations
