@@ -93,7 +93,9 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         # small FSDP2 job above still writes its sharded checkpoints every step
         "fsdp2-big": [Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
-                       "--save-every", "0", "--model", m["qwen3.5-9b"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2)],
+                       "--save-every", "0", "--model", m["qwen3.5-9b"]],
+                      # session 7: steps of 3-6 minutes, cause unknown; Triton prints each autotuning it does
+                      {"VLLM_BI_CUDA_OPS": "vllm_bi", "TRITON_PRINT_AUTOTUNING": "1"}, gpus=2)],
         # chunk-aligned GDN mode: prompts of 150-300 tokens split by the 64-token batch budget at
         # unaligned offsets, and 80 decode steps that cross block boundaries
         "chunk": [_parity("parity own-ops chunk mode qwen3.5", m["qwen3.5"], gdn="chunk", max_tokens=80,
