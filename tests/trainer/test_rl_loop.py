@@ -5,6 +5,7 @@ initial weights first, so runs do not see each other's updates.
 """
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -73,8 +74,13 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
     assert server.weight_digest() != weight_digest(GDNHybridForCausalLM.from_pretrained(model_dir).hf_state_dict().items())
 
 
-def test_async_gap_is_staleness_only(server, model_dir, tmp_path):
-    rows = train(cfg(server, model_dir, tmp_path, steps=5, max_staleness=1, recompute_at_sample_version=True))
+def test_async_gap_is_staleness_only(server, model_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        rows = train(cfg(server, model_dir, tmp_path, steps=5, max_staleness=1, recompute_at_sample_version=True))
+    # without a progress bar each step is logged with its time split
+    steps = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert [m.split(":")[0] for m in steps] == [f"step {i}/5" for i in range(1, 6)], steps
+    assert all("train " in m and "weight push " in m for m in steps), steps
     assert rows[0]["staleness"] == 0 and rows[0]["bit_wise/logprob_diff/max"] == 0.0
     stale = [r for r in rows if r["staleness"] == 1]
     assert stale, "the rollout thread never ran ahead"

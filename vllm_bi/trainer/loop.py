@@ -550,6 +550,12 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
                 save_checkpoint(cfg.run_dir, policy, step + 1, cfg)
                 saved_at = step + 1
             bar.set_postfix(reward=f"{row['reward/mean']:.3f}", diff=f"{row['bit_wise/logprob_diff/max']:.3g}")
+            if dist.main and not cfg.progress:  # logs without a progress bar still show each step's time
+                sync_s = sum(v for k, v in row.items() if k.startswith("time/sync_"))
+                logger.info("step %d/%d: %.1f s (train %.1f, waiting for rollouts %.1f, weight push %.1f); "
+                            "max |trainer - server logprob| %.3g", step + 1, cfg.steps, row["time/step_s"],
+                            row.get("time/train_s", float("nan")), row["time/wait_for_rollout_s"], sync_s,
+                            row["bit_wise/logprob_diff/max"])
         return rows
     except ServerUnreachable as e:
         raise TrainerError(f"{e}. {where()}") from None
