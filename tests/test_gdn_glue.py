@@ -199,3 +199,30 @@ def test_step_plan_is_read_once_per_step():
     other = step_plan(metadata([0, 2], [4], [True]), torch.device("cpu"))
     assert other is not plan and other.ranges == [(0, 2)] and other.fresh is None
     assert step_plan(metadata([0, 0], [4], [True]), torch.device("cpu")) is None  # nothing scheduled
+
+
+def test_a_decode_step_is_planned_without_reading_the_host(monkeypatch):
+    """A step of one-token decodes (recurrent mode) gets the plan the host path would build, without a host read
+    of the metadata (which a captured CUDA-graph step cannot do); a padded entry (-1) goes to slot 0."""
+    from vllm_bi.model_executor import gdn as G
+
+    slots = [7, 3, -1]
+    md = types.SimpleNamespace(non_spec_query_start_loc=torch.tensor([0, 1, 2, 3]), num_decode_tokens=3,
+                               non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32), num_decodes=3,
+                               num_prefills=0, has_initial_state=None)
+
+    def no_host_read(self, *a, **k):
+        raise AssertionError("the decode plan read a tensor on the host")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", no_host_read)
+        m.setattr(torch.Tensor, "item", no_host_read)
+        plan = G.step_plan(md, torch.device("cpu"))
+    assert plan.ranges == [(0, 1), (1, 2), (2, 3)] and plan.fresh is None
+    assert plan.rows.tolist() == [0, 1, 2] and plan.slot_t.tolist() == [7, 3, 0] and plan.slot_t.dtype == torch.long
+    # the host path over the same (unpadded) step builds the same plan
+    host = types.SimpleNamespace(**{**vars(md), "num_decode_tokens": None, "_vllm_bi_plan": None,
+                                    "non_spec_state_indices_tensor": torch.tensor([7, 3, 0])})
+    del host._vllm_bi_plan
+    ref = G.step_plan(host, torch.device("cpu"))
+    assert ref.ranges == plan.ranges and torch.equal(ref.rows, plan.rows) and torch.equal(ref.slot_t, plan.slot_t)

@@ -106,15 +106,28 @@ def _step_cached(md, key: str, dev, build):
 
 
 def _tiles(md, dev, h: int, hkv: int) -> torch.Tensor:
-    """The step's query tiles for the Triton kernel (:func:`tiles_for`), on ``dev``."""
+    """The step's query tiles for the Triton kernel (:func:`tiles_for`), on ``dev``. A step of one-token decodes
+    (``max_query_len == 1``) builds them on the device, without a host read (as a captured CUDA-graph step
+    must): tile ``i`` is row ``i`` of sequence ``i`` at position ``seq_lens[i] - 1`` (a padded entry's length
+    0 gives position 0: a finite row nobody reads)."""
 
     def build():
-        qsl = md.query_start_loc.tolist()
-        seq_lens = md.seq_lens.tolist()
-        n = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-        return host_to(tiles_for(h, hkv, qsl[:-1], n, [L - k for L, k in zip(seq_lens, n)]), dev)
+        if getattr(md, "max_query_len", None) == 1:
+            n = md.seq_lens.shape[0]
+            i = torch.arange(n, device=dev, dtype=torch.int32)
+            pos = (md.seq_lens.to(device=dev, dtype=torch.int32) - 1).clamp_(min=0)
+            return torch.stack([i, i, torch.ones_like(i), pos], dim=1)
+        return _tiles_host(md, dev, h, hkv)
 
     return _step_cached(md, "_vllm_bi_tiles", dev, build)
+
+
+def _tiles_host(md, dev, h: int, hkv: int) -> torch.Tensor:
+    """:func:`_tiles` of a general step, from the metadata read on the host."""
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    n = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    return host_to(tiles_for(h, hkv, qsl[:-1], n, [L - k for L, k in zip(seq_lens, n)]), dev)
 
 
 def _rows(md, dev) -> tuple[torch.Tensor, list[int]]:

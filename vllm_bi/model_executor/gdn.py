@@ -12,6 +12,8 @@ state stored back.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
@@ -155,10 +157,17 @@ def step_plan(md, dev) -> StepPlan | None:
     plan = getattr(md, "_vllm_bi_plan", None)
     if plan is not None and plan[0] == dev:
         return plan[1]
+    n_dec, n_pre = md.num_decodes, md.num_prefills
+    if n_pre == 0 and n_dec and gdn_mode() != "chunk" and getattr(md, "num_decode_tokens", None) == n_dec:
+        result = _decode_plan(md, n_dec, dev)
+        try:
+            md._vllm_bi_plan = (dev, result)
+        except AttributeError:
+            pass
+        return result
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()
-    n_dec, n_pre = md.num_decodes, md.num_prefills
     has_init = [True] * n_dec
     if n_pre:
         has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
@@ -178,6 +187,22 @@ def step_plan(md, dev) -> StepPlan | None:
     except AttributeError:  # a metadata class with __slots__: build it per layer
         pass
     return result
+
+
+def _decode_plan(md, n: int, dev) -> StepPlan:
+    """The plan of a step of ``n`` one-token decodes (recurrent mode), read from the metadata without a host
+    read: sequence ``i`` is row ``i``, its slot is ``non_spec_state_indices_tensor[i]`` on the device, and no
+    request is new. The same plan the host path builds, so the same bits; and nothing in it needs the host,
+    which a captured (CUDA-graph) decode step requires. A padded entry (vLLM's ``PAD_SLOT_ID``, -1) reads and
+    writes slot 0, vLLM's null block, never a request's."""
+    ranges = _decode_ranges(n)
+    slot_t = md.non_spec_state_indices_tensor[:n].long().clamp_(min=0)
+    return StepPlan(ranges, rows_of(ranges, dev), slot_t, None, None)
+
+
+@lru_cache(maxsize=64)
+def _decode_ranges(n: int) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(n)]
 
 
 def _kv_layout(dev: torch.device) -> bool:
