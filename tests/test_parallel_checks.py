@@ -81,3 +81,28 @@ def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatc
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(bad))
     with pytest.raises(BatchInvarianceConfigError, match="no shapes"):
         _check_op_settings(CPU)
+
+
+def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
+    from vllm_bi.model_executor.cuda_graphs import cuda_graphs_requested, graph_blockers
+    from vllm_bi.model_executor.patches import _check_graphs
+
+    for value, want in (("", False), ("off", False), ("0", False), ("decode", True), ("DECODE", True)):
+        monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", value)
+        assert cuda_graphs_requested() is want, value
+    monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "full")
+    with pytest.raises(ValueError, match="use 'decode'"):
+        cuda_graphs_requested()
+    # what a captured decode step cannot run, each named with its fix
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
+    monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
+    why = graph_blockers(has_moe=True)
+    assert len(why) == 4 and "use recurrent" in why[0] and "use triton" in why[1] and "MoE" in why[3], why
+    with pytest.raises(BatchInvarianceConfigError, match="cannot capture a decode step with"):
+        _check_graphs(_config(experts=8))
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
+    monkeypatch.delenv("VLLM_BI_CUDA_OPS")
+    assert graph_blockers(has_moe=False) == []
+    _check_graphs(_config())  # a dense model with the recurrent mode and the Triton attention: allowed

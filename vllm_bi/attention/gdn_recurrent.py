@@ -281,7 +281,23 @@ def host_to(t: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    pinned = t.pin_memory()
+    out = pinned.to(device, non_blocking=True)
+    if torch.cuda.is_current_stream_capturing():  # the graph replays this copy: its source must stay
+        _CAPTURED.append(pinned)
+    return kept(out)
+
+
+# Tensors a captured CUDA graph reads (index tensors from the caches below, pinned sources of captured copies):
+# a graph replays by address, so they must outlive the caches' evictions. Kept for the process's life.
+_CAPTURED: list[torch.Tensor] = []
+
+
+def kept(t: torch.Tensor) -> torch.Tensor:
+    """``t``, kept alive for the process's life when a CUDA graph is being captured (it may read ``t``)."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        _CAPTURED.append(t)
+    return t
 
 
 # Index tensors are pure functions of the batch layout, which is the same for every GDN layer of a step (and
@@ -297,7 +313,7 @@ def _index_on(values: tuple[int, ...], device: str) -> torch.Tensor:
 def index_on(values, device) -> torch.Tensor:
     """A short index vector (offsets, sequence ids) on ``device``, built once per distinct content (shared:
     read only)."""
-    return _index_on(tuple(int(v) for v in values), str(torch.device(device)))
+    return kept(_index_on(tuple(int(v) for v in values), str(torch.device(device))))
 
 
 @functools.lru_cache(maxsize=_INDEX_CACHE)
@@ -312,7 +328,7 @@ def _rows_of(ranges: tuple[tuple[int, int], ...], device: str) -> torch.Tensor:
 def rows_of(ranges: list[tuple[int, int]], device) -> torch.Tensor:
     """The row indices ``s..e-1`` of every range, concatenated (built and copied once per distinct layout;
     shared: read only)."""
-    return _rows_of(tuple((int(s), int(e)) for s, e in ranges), str(torch.device(device)))
+    return kept(_rows_of(tuple((int(s), int(e)) for s, e in ranges), str(torch.device(device))))
 
 
 def causal_conv1d_varlen(
@@ -338,7 +354,7 @@ def causal_conv1d_varlen(
     W = weight.shape[-1]
     N = len(cu_seqlens) - 1
     T, D = x.shape
-    dev = _conv_index(tuple(int(c) for c in cu_seqlens), W, str(x.device))
+    dev = tuple(kept(t) for t in _conv_index(tuple(int(c) for c in cu_seqlens), W, str(x.device)))
     states_x = conv_states.to(x.dtype).reshape(N * (W - 1), D)
     old = states_x[dev[1]]
     new_states = (torch.where(dev[2].bool()[:, None], x[dev[0]], old) if T else old).reshape(N, W - 1, D)

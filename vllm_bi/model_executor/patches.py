@@ -155,15 +155,35 @@ def _patch_engine_args() -> None:
                     "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
                     "measured with TRITON_ATTN on CUDA", chosen,
                 )
-        if current_platform.is_cuda() and not self.enforce_eager:
+        from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, cuda_graphs_requested
+
+        try:
+            graphs = current_platform.is_cuda() and cuda_graphs_requested()
+        except ValueError as e:
+            raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+        if graphs:
+            if self.enforce_eager:
+                raise BatchInvarianceConfigError(
+                    f"vllm_bi: {GRAPHS_ENV}=decode captures decode steps, --enforce-eager forbids it; drop one")
+            from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+            self.compilation_config.mode = CompilationMode.NONE  # no torch.compile: it would re-fuse the ops
+            self.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            logger.warning("vllm_bi: %s=decode: decode steps captured in CUDA graphs, prefills eager "
+                           "(experimental: check with `vllm-bi parity`)", GRAPHS_ENV)
+        elif current_platform.is_cpu() and os.environ.get(GRAPHS_ENV, "").strip():
+            logger.warning("vllm_bi: %s applies to CUDA only; ignored on CPU (eager)", GRAPHS_ENV)
+        elif current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
             logger.warning(
-                "vllm_bi: batch invariance on CUDA: eager mode (the BI GDN core reads scheduler metadata "
-                "on the host, so it cannot be captured in CUDA graphs)"
+                "vllm_bi: batch invariance on CUDA: eager mode (the BI glue plans steps on the host; %s=decode "
+                "captures decode steps, experimental)", GRAPHS_ENV
             )
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
         _check_op_settings(current_platform)
+        if graphs:
+            _check_graphs(config)
         return config
 
     create_engine_config._vllm_bi = True
@@ -171,6 +191,17 @@ def _patch_engine_args() -> None:
 
 
 UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
+
+
+def _check_graphs(config) -> None:
+    """``VLLM_BI_CUDA_GRAPHS=decode``: refuse what a captured decode step cannot run (``cuda_graphs.py``)."""
+    from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, graph_blockers
+
+    has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
+    why = graph_blockers(has_moe)
+    if why:
+        raise BatchInvarianceConfigError(f"vllm_bi: {GRAPHS_ENV}=decode cannot capture a decode step with "
+                                         f"{'; '.join(why)}. Change those or unset {GRAPHS_ENV}.")
 
 
 def _check_op_settings(platform) -> None:

@@ -1,0 +1,51 @@
+"""CUDA graphs for decode steps under batch invariance (``VLLM_BI_CUDA_GRAPHS=decode``; experimental, CUDA).
+
+By default vllm_bi forces eager mode on CUDA: its glue plans each step on the host. Eager mode cost stock vLLM
+2.5x its generation throughput on the H200 (``docs/results/2026-11-30-h200-gdn-cost.md``). A step of one-token
+decodes needs no host plan: the GDN glue (recurrent mode) reads its state slots from the metadata's device tensor
+and the Triton attention builds its tiles on the device (``gdn._decode_plan``, ``attention._tiles``). With this
+setting vLLM captures such steps whole (``cudagraph_mode=FULL_DECODE_ONLY``, no torch.compile) and replays them;
+prefills and mixed steps stay eager. A captured step runs the same kernels on the same rows as an eager one, so
+its bits are the same; padded rows read and write vLLM's null slot and block.
+
+Refused where a decode step still reads the host: the chunk GDN mode (its partial blocks), the torch attention
+op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers (experts grouped on the host), and vLLM's
+own kernels (``VLLM_BI_CUDA_OPS=vllm``). Not yet run on a GPU: check it with ``vllm-bi parity`` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["GRAPHS_ENV", "cuda_graphs_requested", "graph_blockers"]
+
+GRAPHS_ENV = "VLLM_BI_CUDA_GRAPHS"
+
+
+def cuda_graphs_requested() -> bool:
+    """``VLLM_BI_CUDA_GRAPHS``: ``decode`` captures decode steps; unset, ``0`` or ``off``: eager (default)."""
+    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
+    if value in ("", "0", "off", "none"):
+        return False
+    if value == "decode":
+        return True
+    raise ValueError(f"{GRAPHS_ENV}={value!r}: use 'decode' (capture decode steps; experimental) or unset it")
+
+
+def graph_blockers(has_moe: bool) -> list[str]:
+    """What in this process's settings (and the model) keeps a decode step from being captured; empty if none."""
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+    from vllm_bi.model_executor.cuda import own_ops_requested
+    from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
+
+    why = []
+    if gdn_mode() != "recurrent":
+        why.append(f"{GDN_MODE_ENV}={gdn_mode()} (decode recomputes partial blocks planned on the host; use "
+                   "recurrent)")
+    if attention_backend("cuda") != "triton":
+        why.append(f"{ATTENTION_ENV}={attention_backend('cuda')} (rows grouped on the host; use triton)")
+    if not own_ops_requested():
+        why.append("VLLM_BI_CUDA_OPS=vllm (vLLM's own kernels: not planned for capture here)")
+    if has_moe:
+        why.append("MoE layers (experts grouped on the host)")
+    return why
