@@ -172,7 +172,7 @@ def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
         non_spec_query_start_loc=torch.tensor(qsl, device=dev),
         non_spec_state_indices_tensor=torch.randperm(2 * N)[:N].to(dev),
         num_decodes=N if shape.decode else 0, num_prefills=0 if shape.decode else N,
-        has_initial_state=torch.tensor([shape.decode] * N, device=dev),
+        num_decode_tokens=N if shape.decode else 0, has_initial_state=torch.tensor([shape.decode] * N, device=dev),
         vllm_bi_num_computed=torch.tensor(computed, device=dev))
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
     with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
