@@ -220,6 +220,11 @@ def test_a_decode_step_is_planned_without_reading_the_host(monkeypatch):
         plan = G.step_plan(md, torch.device("cpu"))
     assert plan.ranges == [(0, 1), (1, 2), (2, 3)] and plan.fresh is None
     assert plan.rows.tolist() == [0, 1, 2] and plan.slot_t.tolist() == [7, 3, 0] and plan.slot_t.dtype == torch.long
+    assert md.non_spec_state_indices_tensor.tolist() == slots  # vLLM's own tensor is left as it was
+    md64 = types.SimpleNamespace(**{**vars(md), "non_spec_state_indices_tensor": torch.tensor(slots)})
+    del md64._vllm_bi_plan
+    G.step_plan(md64, torch.device("cpu"))
+    assert md64.non_spec_state_indices_tensor.tolist() == slots  # also when it is int64 already
     # the host path over the same (unpadded) step builds the same plan
     host = types.SimpleNamespace(**{**vars(md), "num_decode_tokens": None, "_vllm_bi_plan": None,
                                     "non_spec_state_indices_tensor": torch.tensor([7, 3, 0])})

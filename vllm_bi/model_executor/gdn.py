@@ -196,7 +196,7 @@ def _decode_plan(md, n: int, dev) -> StepPlan:
     which a captured (CUDA-graph) decode step requires. A padded entry (vLLM's ``PAD_SLOT_ID``, -1) reads and
     writes slot 0, vLLM's null block, never a request's."""
     ranges = _decode_ranges(n)
-    slot_t = md.non_spec_state_indices_tensor[:n].long().clamp_(min=0)
+    slot_t = md.non_spec_state_indices_tensor[:n].long().clamp(min=0)  # out of place: the tensor is vLLM's
     return StepPlan(ranges, rows_of(ranges, dev), slot_t, None, None)
 
 
