@@ -4,9 +4,10 @@ cache), with its Triton kernel (``ops/attention_triton.py``, the CUDA default) a
 (``VLLM_BI_ATTENTION=torch``, ``ops/attention.py``), against PyTorch's fused ``scaled_dot_product_attention`` on
 contiguous keys (a stand-in for a fused kernel such as vLLM's TRITON_ATTN; not batch-invariant). Each Triton row
 also checks the first and last query rows computed alone (a one-row decode) against the batched bits. A second
-table times the kernel's other block sizes, warps and stages (each one is other arithmetic: other bits).
+table times the trainer's attention forward + backward against SDPA's, and a third the kernel's other block
+sizes, warps and stages (each one is other arithmetic: other bits).
 
-    python benchmarks/attention.py [--out attention.md] [--reps 10] [--no-torch-op] [--no-configs]
+    python benchmarks/attention.py [--out attention.md] [--reps 10] [--no-torch-op] [--no-configs] [--no-train]
 
 Rows: decode B sequences x 1 query at context C (every sequence the same length), and prefills of B x T tokens.
 Median ms of CUDA-event timings after warm-ups.
@@ -28,6 +29,7 @@ ROWS = [("decode 1 x ctx 1K", 1, 1, 1024), ("decode 16 x ctx 1K", 16, 1, 1024), 
         ("decode 64 x ctx 4K", 64, 1, 4096), ("prefill 1 x 4K", 1, 4096, 4096), ("prefill 8 x 1K", 8, 1024, 1024),
         ("prefill 1 x 16K", 1, 16384, 16384)]
 TORCH_OP_MAX_ROWS = 4096  # the torch op at 16K query rows takes minutes
+TRAIN_ROWS = [("train 1 x 4K", 1, 4096), ("train 4 x 1K", 4, 1024), ("train 16 x 256", 16, 256)]
 CONFIGS = [(32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]  # BLOCK_N, warps, stages
 
 
@@ -85,12 +87,42 @@ def time_sdpa(n_seqs, q_len, ctx, dev, reps):
     return timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
 
 
+def time_train(n_seqs, length, dev, reps):
+    """Forward + backward ms of the trainer's attention (``packed_attention``: the Triton kernel forward, PyTorch's
+    attention backward per sequence) and of SDPA on the same equal-length sequences (batched)."""
+    from vllm_bi.ops.attention_triton import packed_attention
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    T = n_seqs * length
+    q, gy = (torch.randn(T, H, D, generator=g).bfloat16().to(dev) for _ in range(2))
+    k, v = (torch.randn(T, HKV, D, generator=g).bfloat16().to(dev) for _ in range(2))
+    cu = [i * length for i in range(n_seqs + 1)]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def ours():
+        out = packed_attention(*leaves, cu, D**-0.5)
+        torch.autograd.grad(out, leaves, gy)
+
+    def batched(x):
+        return x.view(n_seqs, length, x.shape[1], D).transpose(1, 2).contiguous().requires_grad_()
+
+    qs, ks, vs = batched(q), batched(k), batched(v)
+    gys = gy.view(n_seqs, length, H, D).transpose(1, 2)
+
+    def sdpa():
+        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        torch.autograd.grad(out, (qs, ks, vs), gys)
+
+    return timed(sdpa, reps), timed(ours, reps)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-torch-op", action="store_true", help="skip the torch op's column (slow)")
     ap.add_argument("--no-configs", action="store_true", help="skip the table of the kernel's other configs")
+    ap.add_argument("--no-train", action="store_true", help="skip the trainer's forward + backward table")
     args = ap.parse_args()
     import vllm_bi.ops.attention_triton as A
 
@@ -119,6 +151,14 @@ def main() -> None:
             cells += f" {b:.3f} | {b / s:.1f}x |"
         lines.append(cells)
         flush()
+    if not args.no_train:
+        lines += ["", "trainer forward + backward (the kernel's forward, PyTorch's backward per sequence)", "",
+                  "| shape | SDPA fwd+bwd | vllm_bi packed_attention fwd+bwd | ratio |", "| --- | ---: | ---: | ---: |"]
+        print("\n".join(lines[-4:-1]), flush=True)
+        for label, n, length in TRAIN_ROWS:
+            s, t = time_train(n, length, "cuda", args.reps)
+            lines.append(f"| {label} | {s:.3f} | {t:.3f} | {t / s:.2f}x |")
+            flush()
     if not args.no_configs:
         lines += ["", "the kernel's configs (each other bits; the first is the pinned one)", "",
                   "| BLOCK_N, warps, stages | " + " | ".join(r[0] for r in ROWS) + " |",

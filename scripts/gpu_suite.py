@@ -55,7 +55,7 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm="fp64", attention="torch") -> Job:
+            prompts=None, gemm="fp64", attention="torch", graphs="") -> Job:
     server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -63,7 +63,8 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
         argv.append("--stock-server")
     if prompts:
         argv += ["--prompts", prompts]
-    env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention}
+    env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention,
+           "VLLM_BI_CUDA_GRAPHS": graphs}
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 
 
@@ -122,6 +123,11 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                     max_tokens=80, prompts=long_prompts(models)),
             Job("trainer 1 GPU triton attention qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                 {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_ATTENTION": "triton"})],
+        # experimental CUDA graphs for decode steps (needs the Triton attention; dense models only)
+        "graphs": [
+            _parity("parity CUDA graphs (decode) qwen3.5", m["qwen3.5"], attention="triton", graphs="decode"),
+            _parity("parity CUDA graphs (decode) qwen3.5 9b-dims", m["qwen3.5-9b"], attention="triton",
+                    graphs="decode", max_tokens=16)],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],
