@@ -62,3 +62,29 @@ def test_a_gemm_mode_mismatch_is_refused(monkeypatch):
     monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
     assert settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "gemm": "fp64"}) is None
     assert "VLLM_BI_GEMM" in settings_mismatch({"gdn_mode": "recurrent", "ops": "vllm_bi", "gemm": "triton"})
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_exact_gemm_under_autograd_keeps_the_forward_bits_and_gives_accurate_gradients(out_dtype):
+    """The trainer's float64 GEMM: under autograd the forward is bitwise the server's (no-grad) product; the
+    backward runs in fp32 here (bf16 tensor cores on CUDA), within 1e-2 relative L2 of float64 autograd."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, 48, generator=gen).bfloat16().requires_grad_(True)
+    w = torch.randn(24, 48, generator=gen).bfloat16().requires_grad_(True)
+    bias = torch.randn(24, generator=gen).bfloat16().requires_grad_(True)
+    with torch.no_grad():
+        ref = bi_linear(x, w, bias, out_dtype)
+    y = bi_linear(x, w, bias, out_dtype)
+    assert y.grad_fn is not None and torch.equal(y.detach(), ref) and y.dtype == (out_dtype or torch.bfloat16)
+    gy = torch.randn(y.shape, generator=gen)
+    y.float().backward(gy)
+    x64, w64, b64 = (t.detach().double().requires_grad_(True) for t in (x, w, bias))
+    (torch.nn.functional.linear(x64, w64, b64) * gy.double()).sum().backward()
+    for mine, want in ((x.grad, x64.grad), (w.grad, w64.grad), (bias.grad, b64.grad)):
+        assert mine.dtype == torch.bfloat16
+        rel = ((mine.double() - want).norm() / want.norm()).item()
+        assert rel < 1e-2, rel
+    # an input that needs no gradient gets none computed
+    w2 = w.detach().clone().requires_grad_(True)
+    bi_linear(x.detach(), w2).float().sum().backward()
+    assert w2.grad is not None

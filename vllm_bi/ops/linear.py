@@ -42,22 +42,54 @@ def gemm_mode() -> str:
 
 class _PersistentLinear(torch.autograd.Function):
     """``x @ weight.T (+ bias)`` by vLLM's batch-invariant Triton persistent matmul (the forward the server and
-    the trainer share); the backward is plain ``torch.mm`` in fp32 (gradients need no bit parity)."""
+    the trainer share); backward by :func:`_grads` (gradients need no bit parity)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return _persistent_mm(x, weight.t(), bias)
 
     @staticmethod
     def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        g = gy.float()
-        gx = torch.mm(g, weight.float()).to(x.dtype)
-        gw = torch.mm(g.t(), x.float()).to(weight.dtype)
-        gb = g.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return gx, gw, gb
+        return _grads(ctx, gy)
+
+
+def _grads(ctx, gy: torch.Tensor):
+    """Gradients of ``y = x @ weight.T (+ bias)`` for the trainer: products in the operands' 16-bit dtype with
+    fp32 accumulation where ``gy`` has it on CUDA (tensor cores), else in fp32. Gradients need accuracy, not
+    bits (the float64 GEMM would cost 12x on the GPU)."""
+    x, weight = ctx.saved_tensors
+    if gy.is_cuda and gy.dtype == x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        g, xx, ww = gy, x, weight
+    else:
+        g, xx, ww = gy.float(), x.float(), weight.float()
+    gx = torch.mm(g, ww).to(x.dtype) if ctx.needs_input_grad[0] else None
+    gw = torch.mm(g.t(), xx).to(weight.dtype) if ctx.needs_input_grad[1] else None
+    gb = gy.float().sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+class _ExactLinear(torch.autograd.Function):
+    """The float64 GEMM under autograd (the trainer): forward exactly :func:`bi_linear`'s (the server's bits),
+    backward by :func:`_grads`."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, out_dtype):
+        ctx.save_for_backward(x2, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return _fp64_linear(x2, weight, bias, out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return (*_grads(ctx, gy), None)
+
+
+def _fp64_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_dtype) -> torch.Tensor:
+    y = torch.mm(x2.to(torch.float64), weight.to(torch.float64).t())
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y.to(out_dtype)
 
 
 def _persistent_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,11 +123,12 @@ def bi_linear(
             and (bias is None or bias.dtype == x.dtype) and gemm_mode() == "triton"):
         y = _PersistentLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
         return y.reshape(*lead, weight.shape[0])
-    x2 = x.reshape(-1, x.shape[-1]).to(torch.float64)
-    y = torch.mm(x2, weight.to(torch.float64).t())
-    if bias is not None:
-        y = y + bias.to(torch.float64)
-    return y.to(out_dtype).reshape(*lead, weight.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        y = _ExactLinear.apply(x2, weight, bias, out_dtype)
+    else:
+        y = _fp64_linear(x2, weight, bias, out_dtype)
+    return y.reshape(*lead, weight.shape[0])
 
 
 def bi_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
