@@ -18,6 +18,9 @@ share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``v
 Its tiles per weight shape and batch-size bucket can be tuned (``VLLM_BI_GEMM_CONFIGS``, :mod:`.gemm_configs`).
 Products asked for in another output dtype (the fp32 lm_head) stay in float64; tensor parallelism is refused
 in this mode (its row-parallel partials are float64 sums, the trainer's unsharded GEMM would not be).
+
+Under autograd (the trainer) the forward is unchanged, bit for bit; the backward products need accuracy, not
+bits, and run on bf16 tensor cores with fp32 accumulation on CUDA (fp32 elsewhere) in either mode.
 """
 
 from __future__ import annotations
