@@ -49,6 +49,7 @@ class ParityReport:
     max_abs_diff: float
     mean_abs_diff: float
     first_mismatch: dict | None
+    settings: str = ""  # the trainer's vllm_bi settings the comparison ran with (the server was checked to match)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +77,7 @@ class ParityReport:
             ("max |diff|", f"{self.max_abs_diff:.6g}"),
             ("mean |diff|", f"{self.mean_abs_diff:.6g}"),
             ("first mismatch", fm),
+            *([("settings", self.settings)] if self.settings else []),
             ("result", "PASS: trainer == server, bit for bit" if self.ok else "FAIL"),
         ]
         w = max(len(k) for k, _ in rows)
@@ -242,4 +244,17 @@ def run_parity(
             max_d, sum_d = max(max_d, d), sum_d + d
             if a != b and first is None:
                 first = {"sequence": si, "prompt": si // n, "sample": si % n, "position": pos, "server": a, "trainer": b}
-    return ParityReport(model, trainer, len(completions), tokens, equal, max_d, sum_d / max(tokens, 1), first)
+    return ParityReport(model, trainer, len(completions), tokens, equal, max_d, sum_d / max(tokens, 1), first,
+                        trainer_settings(trainer_device or default_trainer_device()) if trainer == "vllm_bi" else "")
+
+
+def trainer_settings(device: str) -> str:
+    """The settings that decide the trainer's bits, as one line (``vllm-bi parity``'s report)."""
+    from vllm_bi.attention.gdn_chunk import gdn_mode
+    from vllm_bi.ops.attention_triton import attention_backend
+    from vllm_bi.ops.gemm_configs import table_digest
+    from vllm_bi.ops.linear import gemm_mode
+
+    dev = str(device).split(":")[0]
+    tiles = f" (tiles {table_digest()})" if gemm_mode() == "triton" else ""
+    return (f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(dev)}, trainer on {device}")

@@ -39,6 +39,7 @@ def test_trainer_equals_server_with_the_triton_attention(server):
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["tokens"] == 8 * 2 * 12 and rep["bitwise_equal"] == rep["tokens"], rep
+    assert "attention triton" in rep["settings"], rep  # the report names the op the trainer ran
 
 
 def test_a_trainer_on_the_torch_attention_is_refused(server):
