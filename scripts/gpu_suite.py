@@ -374,14 +374,13 @@ def collect_run_dir(run_dir: str, logdir: str, slug: str, since: float) -> list[
     return copied
 
 
-def _steps_so_far(run_dir: str, since: float) -> int | None:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def _steps_so_far(run_dir: str) -> int | None:
+    """Steps in a trainer job's metrics.jsonl (its run dir is fresh: run_job empties it first)."""
+    from vllm_bi.trainer.metrics import read_metrics
+
     try:
-        if os.path.getmtime(path) < since:
-            return None
-        with open(path) as f:
-            return sum(1 for ln in f if ln.strip())
-    except OSError:
+        return len(read_metrics(run_dir)) if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) else None
+    except (OSError, ValueError):  # a line cut mid-write by the kill
         return None
 
 
@@ -425,7 +424,7 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
         rec["rc"] = rc
         rec.update(_verdict(job, out, run_dir))
     except subprocess.TimeoutExpired:
-        steps = _steps_so_far(run_dir, t0) if job.kind == "trainer" else None
+        steps = _steps_so_far(run_dir) if job.kind == "trainer" else None
         rec.update(rc=None, passed=False, error=f"timed out after {job.timeout} s"
                    + (f" ({steps} trainer steps in metrics.jsonl)" if steps is not None else ""))
     except Interrupted:
@@ -467,11 +466,11 @@ def _verdict(job: Job, output: str, run_dir: str) -> dict:
         return {"passed": bool(r["pass"]), "tokens": r["tokens"], "bitwise_equal": r["bitwise_equal"],
                 "max_abs_diff": r["max_abs_diff"], "mean_abs_diff": r["mean_abs_diff"]}
     if job.kind == "trainer":
-        path = os.path.join(run_dir, "metrics.jsonl")
-        if not os.path.exists(path):
+        from vllm_bi.trainer.metrics import read_metrics
+
+        if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
             return {"passed": False, "error": "no metrics.jsonl (see the log)"}
-        with open(path) as f:
-            rows = [json.loads(ln) for ln in f if ln.strip()]
+        rows = read_metrics(run_dir)
         diffs = [r["bit_wise/logprob_diff/max"] for r in rows]
         return {"passed": bool(rows) and all(d == 0.0 for d in diffs), "steps": len(rows),
                 "logprob_diff_max_per_step": diffs, "reward": [r.get("reward/mean") for r in rows],

@@ -145,9 +145,10 @@ def settings_mismatch(info: dict) -> str | None:
     if gemm_mode() == "triton" and "gemm_configs" in info:
         from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, table_digest
 
-        if info["gemm_configs"] != table_digest():
+        mine = table_digest()
+        if info["gemm_configs"] != mine:
             return (f"the server's Triton GEMM tiles come from table {info['gemm_configs']!r}, this trainer's from "
-                    f"{table_digest()!r}; set {GEMM_CONFIGS_ENV} to the same file on both sides")
+                    f"{mine!r}; set {GEMM_CONFIGS_ENV} to the same file on both sides")
     if "attention" in info:
         from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
 
@@ -255,6 +256,5 @@ def trainer_settings(device: str) -> str:
     from vllm_bi.ops.gemm_configs import table_digest
     from vllm_bi.ops.linear import gemm_mode
 
-    dev = str(device).split(":")[0]
     tiles = f" (tiles {table_digest()})" if gemm_mode() == "triton" else ""
-    return (f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(dev)}, trainer on {device}")
+    return f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(device)}, trainer on {device}"

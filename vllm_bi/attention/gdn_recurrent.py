@@ -285,7 +285,22 @@ def host_to(t: torch.Tensor, device) -> torch.Tensor:
     out = pinned.to(device, non_blocking=True)
     if torch.cuda.is_current_stream_capturing():  # the graph replays this copy: its source must stay
         _CAPTURED.append(pinned)
-    return kept(out)
+    return out
+
+
+def step_cached(md, key: str, dev, build):
+    """``build()`` once per scheduler step: kept on the step's metadata object ``md`` (under ``key``, for ``dev``),
+    which all layers of the step share, so the host reads the scheduler's device tensors once per step (each
+    read synchronises the stream)."""
+    cached = getattr(md, key, None)
+    if cached is not None and cached[0] == dev:
+        return cached[1]
+    value = build()
+    try:
+        setattr(md, key, (dev, value))
+    except AttributeError:  # a metadata class with __slots__: built per layer
+        pass
+    return value
 
 
 # Tensors a captured CUDA graph reads (index tensors from the caches below, pinned sources of captured copies):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import host_to
+from vllm_bi.attention.gdn_recurrent import host_to, step_cached
 from vllm_bi.ops.attention import causal_attention_rows
 from vllm_bi.ops.attention_triton import attention_backend, paged_attention, tiles_for
 
@@ -91,20 +91,6 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     return output
 
 
-def _step_cached(md, key: str, dev, build):
-    """``build()`` once per step: kept on the metadata object, which the step's attention layers share (every
-    read of a device tensor of the metadata synchronises the stream)."""
-    cached = getattr(md, key, None)
-    if cached is not None and cached[0] == dev:
-        return cached[1]
-    value = build()
-    try:
-        setattr(md, key, (dev, value))
-    except AttributeError:  # a metadata class with __slots__: build it per layer
-        pass
-    return value
-
-
 def _tiles(md, dev, h: int, hkv: int) -> torch.Tensor:
     """The step's query tiles for the Triton kernel (:func:`tiles_for`), on ``dev``. A step of one-token decodes
     (``max_query_len == 1``) builds them on the device, without a host read (as a captured CUDA-graph step
@@ -119,32 +105,35 @@ def _tiles(md, dev, h: int, hkv: int) -> torch.Tensor:
             return torch.stack([i, i, torch.ones_like(i), pos], dim=1)
         return _tiles_host(md, dev, h, hkv)
 
-    return _step_cached(md, "_vllm_bi_tiles", dev, build)
+    return step_cached(md, "_vllm_bi_tiles", dev, build)
+
+
+def _host_layout(md) -> tuple[list[int], list[int], list[int]]:
+    """Each sequence's first query row, number of query rows and first row's absolute position, read from the
+    metadata on the host."""
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    n = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+    return qsl[:-1], n, [L - k for L, k in zip(seq_lens, n)]
 
 
 def _tiles_host(md, dev, h: int, hkv: int) -> torch.Tensor:
     """:func:`_tiles` of a general step, from the metadata read on the host."""
-    qsl = md.query_start_loc.tolist()
-    seq_lens = md.seq_lens.tolist()
-    n = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-    return host_to(tiles_for(h, hkv, qsl[:-1], n, [L - k for L, k in zip(seq_lens, n)]), dev)
+    return host_to(tiles_for(h, hkv, *_host_layout(md)), dev)
 
 
 def _rows(md, dev) -> tuple[torch.Tensor, list[int]]:
     """Each query row's sequence (on ``dev``) and absolute position, read from the metadata once per step
-    (:func:`_step_cached`)."""
+    (:func:`step_cached`)."""
 
     def build():
-        qsl = md.query_start_loc.tolist()
-        seq_lens = md.seq_lens.tolist()
         seq_of_row, positions = [], []
-        for i, L in enumerate(seq_lens):
-            n = qsl[i + 1] - qsl[i]
+        for i, (_, n, p) in enumerate(zip(*_host_layout(md))):
             seq_of_row += [i] * n
-            positions += range(L - n, L)
+            positions += range(p, p + n)
         return host_to(torch.tensor(seq_of_row, dtype=torch.long), dev), positions
 
-    return _step_cached(md, "_vllm_bi_rows", dev, build)
+    return step_cached(md, "_vllm_bi_rows", dev, build)
 
 
 bi_cpu_attn_forward = bi_attn_forward

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
-from vllm_bi.attention.gdn_recurrent import gdn_varlen, host_to, rows_of
+from vllm_bi.attention.gdn_recurrent import gdn_varlen, host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
@@ -151,20 +151,16 @@ class StepPlan:
 
 
 def step_plan(md, dev) -> StepPlan | None:
-    """The :class:`StepPlan` of ``md``, built on the first GDN layer of a step and kept on the metadata object,
-    so that the host reads the scheduler's device tensors once per step rather than once per layer (each
-    read synchronises the stream). None when no sequence has new tokens."""
-    plan = getattr(md, "_vllm_bi_plan", None)
-    if plan is not None and plan[0] == dev:
-        return plan[1]
+    """The :class:`StepPlan` of ``md``, built on the first GDN layer of a step and kept on the metadata object
+    (:func:`step_cached`), so that the host reads the scheduler's device tensors once per step rather than once
+    per layer (each read synchronises the stream). None when no sequence has new tokens."""
+    return step_cached(md, "_vllm_bi_plan", dev, lambda: _build_plan(md, dev))
+
+
+def _build_plan(md, dev) -> StepPlan | None:
     n_dec, n_pre = md.num_decodes, md.num_prefills
     if n_pre == 0 and n_dec and gdn_mode() != "chunk" and getattr(md, "num_decode_tokens", None) == n_dec:
-        result = _decode_plan(md, n_dec, dev)
-        try:
-            md._vllm_bi_plan = (dev, result)
-        except AttributeError:
-            pass
-        return result
+        return _decode_plan(md, n_dec, dev)
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()
@@ -172,21 +168,16 @@ def step_plan(md, dev) -> StepPlan | None:
     if n_pre:
         has_init += [bool(x) for x in md.has_initial_state[n_dec : n_dec + n_pre].tolist()]
     seqs = [i for i in range(n_dec + n_pre) if qsl[i + 1] > qsl[i]]
-    result = None
-    if seqs:
-        ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
-        fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
-        starts = None
-        if gdn_mode() == "chunk":
-            computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
-            starts = [computed[i] for i in seqs]
-        result = StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
-                          host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh)
-    try:
-        md._vllm_bi_plan = (dev, result)
-    except AttributeError:  # a metadata class with __slots__: build it per layer
-        pass
-    return result
+    if not seqs:
+        return None
+    ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
+    fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
+    starts = None
+    if gdn_mode() == "chunk":
+        computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
+        starts = [computed[i] for i in seqs]
+    return StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
+                    host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh)
 
 
 def _decode_plan(md, n: int, dev) -> StepPlan:
