@@ -160,3 +160,28 @@ def test_triton_gemm_tiles_by_batch_size_keep_rows_equal(tmp_path, monkeypatch):
     err = (full[:64].double() - (x[:64].double() @ w.double().t())).abs().max().item()
     assert err < 2e-2, err  # bf16 output of an fp32 accumulation
     gemm_configs._installed.clear()
+
+
+def test_rotary_table_on_device_once_and_capturable():
+    """The RoPE table is copied to the GPU once (same tensor on every call) with the host table's bits, and a
+    rotation can be captured in a CUDA graph (a pageable host copy inside a capture raises; the served decode
+    graphs failed so in session 8) and replays to the eager bits."""
+    from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
+
+    host = rope_cos_sin_cache(64, 262144, 1e7)
+    dev = rope_cos_sin_cache(64, 262144, 1e7, DEV)
+    assert dev.is_cuda and dev is rope_cos_sin_cache(64, 262144, 1e7, DEV)
+    assert torch.equal(dev.cpu(), host)
+    pos = torch.randint(0, 262144, (32,), device=DEV)
+    q, k = _rows(32, 16 * 256).to(DEV), _rows(32, 4 * 256, 1).to(DEV)
+    eager = apply_rotary(pos, q, k, dev, 256, 64, True)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        apply_rotary(pos, q, k, rope_cos_sin_cache(64, 262144, 1e7, DEV), 256, 64, True)  # warm-up on the stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = apply_rotary(pos, q, k, rope_cos_sin_cache(64, 262144, 1e7, DEV), 256, 64, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])

@@ -128,7 +128,7 @@ def test_backend_choice(monkeypatch):
     from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
 
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
-    assert attention_backend("cpu") == "torch"  # the default on CUDA: see ATTENTION_DEFAULT
+    assert attention_backend("cpu") == "torch" and attention_backend("cuda") == "triton"  # the default: auto
     monkeypatch.setenv(ATTENTION_ENV, "auto")
     assert attention_backend("cpu") == "torch" and attention_backend("cuda") == "triton"
     monkeypatch.setenv(ATTENTION_ENV, "torch")

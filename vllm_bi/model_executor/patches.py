@@ -428,7 +428,7 @@ def _rotary_forward(self, positions, query, key=None, *args, **kwargs):
         raise NotImplementedError("vllm_bi: rotary embedding with offsets is not batch-invariant yet")
     if type(self).__name__ != "RotaryEmbedding":
         raise NotImplementedError(f"vllm_bi: {type(self).__name__} is not batch-invariant yet")
-    cache = rope_cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base)
+    cache = rope_cos_sin_cache(self.rotary_dim, self.max_position_embeddings, self.base, positions.device)
     return apply_rotary(positions, query, key, cache, self.head_size, self.rotary_dim, self.is_neox_style)
 
 

@@ -9,17 +9,28 @@ __all__ = ["apply_rotary", "rope_cos_sin_cache"]
 _CACHE: dict = {}
 
 
-def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float) -> torch.Tensor:
-    """``[max_position, rotary_dim]`` fp32 table of ``cos | sin`` (default RoPE), memoised.
+def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, device=None) -> torch.Tensor:
+    """``[max_position, rotary_dim]`` fp32 table of ``cos | sin`` (default RoPE), memoised, on ``device``
+    (default: the host).
 
-    The server and the trainer both take the table from here, so they rotate by the same bits.
+    The server and the trainer both take the table from here, so they rotate by the same bits. The table is
+    computed once on the host and copied once to each device (it is large: 67 MB at 262144 positions and
+    rotary dim 64, which a copy per layer and step would pay again, and which a CUDA-graph capture cannot
+    copy from pageable memory).
     """
     key = (int(rotary_dim), int(max_position), float(base))
     if key not in _CACHE:
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
         freqs = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
         _CACHE[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.float32)
-    return _CACHE[key]
+    if device is None or torch.device(device).type == "cpu":
+        return _CACHE[key]
+    on = (*key, str(torch.device(device)))
+    if on not in _CACHE:
+        from vllm_bi.attention.gdn_recurrent import host_to
+
+        _CACHE[on] = host_to(_CACHE[key], device)
+    return _CACHE[on]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, neox: bool) -> torch.Tensor:

@@ -8,6 +8,7 @@ system), so what the tests exercise is what a user types.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -41,6 +42,30 @@ def cpu_env(batch_invariant: bool, extra: dict | None = None) -> dict:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+_ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b.*")
+
+
+def log_excerpt(path: str, n: int = 60, max_cause: int = 60) -> str:
+    """The first traceback of the log at ``path`` (up to its error line, at most ``max_cause`` lines) when it
+    lies before the last ``n`` lines, then those lines, and the log's path."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return f"no log at {path}"
+    tail = lines[-n:]
+    first = next((i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line), None)
+    out = ""
+    if first is not None and first < len(lines) - n:
+        cause = []
+        for line in lines[first : first + max_cause]:
+            cause.append(line)
+            if _ERROR_LINE.match(line.strip()):
+                break
+        out = "first error in the log:\n" + "".join(cause) + "...\n"
+    return f"{out}log tail:\n{''.join(tail)}(whole log: {path})"
 
 
 class VllmServer(VllmClient):
@@ -83,9 +108,7 @@ class VllmServer(VllmClient):
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise ServerStartError(
-                    f"vllm serve exited with code {self.proc.returncode}; log tail:\n{self.log_tail()}"
-                )
+                raise ServerStartError(f"vllm serve exited with code {self.proc.returncode}; {self.log_excerpt()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -94,7 +117,7 @@ class VllmServer(VllmClient):
                 pass
             time.sleep(1.0)
         self.stop()
-        raise ServerStartError(f"vllm serve not healthy after {self.startup_timeout:.0f}s; log tail:\n{self.log_tail()}")
+        raise ServerStartError(f"vllm serve not healthy after {self.startup_timeout:.0f}s; {self.log_excerpt()}")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -118,9 +141,8 @@ class VllmServer(VllmClient):
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def log_tail(self, n: int = 60) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-n:])
-        except OSError:
-            return "<no log>"
+    def log_excerpt(self, n: int = 60) -> str:
+        """What a failed start prints: the log's first traceback (vLLM's engine process prints the root cause
+        there; the API server's own traceback at the end only says the engine failed), then its last ``n``
+        lines, and where the whole log is."""
+        return log_excerpt(self.log_path, n)

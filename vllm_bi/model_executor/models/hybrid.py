@@ -187,7 +187,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.reshape(T, H, Dh)).reshape(T, H * Dh)
         k = self.k_norm(bi_linear(x_TD, self.k_proj).view(T, Hkv, Dh)).reshape(T, Hkv * Dh)
         v = bi_linear(x_TD, self.v_proj)
-        cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta)
+        cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta, positions_T.device)
         q, k = apply_rotary(positions_T, q, k, cache, Dh, c.rotary_dim, True)
         out = packed_causal_attention(q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh), cu, Dh**-0.5)
         out = out.reshape(T, H * Dh)
