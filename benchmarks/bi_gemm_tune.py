@@ -7,7 +7,8 @@ a row's bits do not depend on the bucket, and write a table for ``VLLM_BI_GEMM_C
 For each weight shape ``(N, K)`` (default: Qwen3.5-9B's linear layers as vLLM merges them) and each bucket of
 ``M`` it times vLLM 0.32's batch-invariant persistent matmul with candidate tiles (``BLOCK_M`` by bucket,
 ``BLOCK_N`` 64/128/256, 4 or 8 warps, 3 or 4 stages) for each shape-wide ``BLOCK_K``, keeps the fastest per
-bucket, and picks the ``BLOCK_K`` with the least total time relative to cuBLAS. Then, with the chosen table
+bucket, and picks, per ``K``, the ``BLOCK_K`` with the least total time relative to cuBLAS over the shapes that
+share that ``K`` (one ``BLOCK_K`` per ``K``: a fused layer must give its parts' bits, ``ops/gemm_configs.py``). Then, with the chosen table
 installed, it computes the rows of ``M = 1 ... max`` batches and requires each row ``torch.equal`` to the same row
 of the largest batch (a shape that fails is left out of the table and reported). Prints a table: cuBLAS bf16,
 vLLM's default tiles, the tuned tiles, ms and ratios (median of ``--reps`` CUDA-event timings after warm-ups).
@@ -87,6 +88,7 @@ def main() -> None:
                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
            "date": time.strftime("%Y-%m-%d"), "shapes": {}}
     failed = []
+    tuned = {}  # (what, n, k) -> (weight, cuBLAS ms, vLLM default ms, {block_k: (score, picks)})
     for what, n, k in shapes:
         w = (torch.randn(n, k, device=DEV) * 0.02).bfloat16()
         xs = {m: torch.randn(m, k, device=DEV).bfloat16() for m in buckets}
@@ -108,10 +110,26 @@ def main() -> None:
                                     cands.append((timed(lambda x=xs[m]: matmul_persistent(x, w.t()), args.reps), cfg))
                                 except Exception:  # noqa: BLE001 - tiles that do not fit in shared memory
                                     torch.cuda.synchronize()
-                picks.append((m, min(cands)))
-                score += min(cands)[0] / cublas[m]
-            best[bk] = (score, picks)
-        bk = min(best, key=lambda b: best[b][0])
+                if cands:
+                    picks.append((m, min(cands)))
+                    score += min(cands)[0] / cublas[m]
+            if len(picks) == len(buckets):
+                best[bk] = (score, picks)
+        default(n, k)
+        tuned[(what, n, k)] = (w, cublas, vdef, best)
+    # one BLOCK_K per K (ops/gemm_configs.py: a fused layer's columns must give its parts' bits): the BLOCK_K with the
+    # least summed score over the shapes that share the K
+    block_k_of = {}
+    for kk in sorted({k for _, _, k in tuned}):
+        group = [b for (_, _, k), (_, _, _, b) in tuned.items() if k == kk]
+        ok = [bk for bk in block_ks if all(bk in b for b in group)]
+        if ok:
+            block_k_of[kk] = min(ok, key=lambda bk: sum(b[bk][0] for b in group))
+    for (what, n, k), (w, cublas, vdef, best) in tuned.items():
+        if k not in block_k_of:
+            failed.append(f"{n}x{k} (no BLOCK_K ran every bucket)")
+            continue
+        bk = block_k_of[k]
         picks = best[bk][1]
         m_buckets = [[m, *cfg] for m, (_, cfg) in picks]
         use(n, k, bk, [(m, tuple(cfg)) for m, *cfg in m_buckets])

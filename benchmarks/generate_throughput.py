@@ -2,7 +2,7 @@
 stock, on a random-weight GDN hybrid (default: Qwen3.5-9B layer dimensions, 4 layers, built locally).
 
     python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,chunk-triton]
-        [--requests 64] [--prompt-len 256] [--max-tokens 128] [--out results.md]
+        [--requests 64] [--prompt-len 256] [--max-tokens 128] [--layers N] [--out results.md]
 
 For each mode one server is started, warmed up with both phases' shapes (unmeasured), then measured in two
 phases, each with ``--requests`` concurrent requests of distinct random prompts (so no prefix is shared):
@@ -14,8 +14,11 @@ phases, each with ``--requests`` concurrent requests of distinct random prompts 
 Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock-eager`` (the same with
 ``--enforce-eager``: BI mode runs eagerly, so this separates the CUDA-graph share of the gap),
 ``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin, ``VLLM_BI_GDN_MODE``, float64 GEMMs) and
-``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). ``VLLM_BI_ATTENTION`` and
-``VLLM_BI_GEMM_CONFIGS`` pass from the environment to the BI modes (the table's header names them). Ratios are
+``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). ``VLLM_BI_ATTENTION``,
+``VLLM_BI_GEMM_CONFIGS`` and ``VLLM_BI_CUDA_GRAPHS`` pass from the environment to the BI modes (the table's header
+names them). The default model has 4 layers, where a step's host work weighs more than its kernels; ``--layers``
+builds a deeper one (32 is Qwen3.5-9B's depth: ~7 B parameters, 14 GB) to weigh the per-layer kernels as a real
+checkpoint would. Ratios are
 stock / mode throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut
 run keeps what it measured.
 """
@@ -23,6 +26,7 @@ run keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -70,6 +74,9 @@ def main() -> int:
                     help="model directory; built (random weights) when missing")
     ap.add_argument("--family", default="qwen3.5", help="model family when the model is built")
     ap.add_argument("--spec", default="9b-dims", help="tiny_models spec when the model is built")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="layers of the built model (every 4th is attention; default: the spec's, 4); the default "
+                    "--model path gets a -<N>l suffix")
     ap.add_argument("--modes", default="stock,stock-eager,recurrent,chunk,chunk-triton",
                     help=f"comma-separated, from {', '.join(MODES)}")
     ap.add_argument("--requests", type=int, default=64, help="concurrent requests per phase")
@@ -91,9 +98,17 @@ def main() -> int:
     from vllm_bi.testing.server import VllmServer, cpu_env
     from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
 
+    spec = SPECS[args.spec]
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error("--layers must be at least 1")
+        spec = dataclasses.replace(spec, num_hidden_layers=args.layers)
+        if args.model == ap.get_default("model"):
+            args.model = f"{args.model}-{args.layers}l"
     if not os.path.exists(os.path.join(args.model, "config.json")):
-        print(f"[bench] building {args.family} ({args.spec}) at {args.model}", flush=True)
-        build_tiny_model(args.family, args.model, seed=0, spec=SPECS[args.spec])
+        print(f"[bench] building {args.family} ({args.spec}, {spec.num_hidden_layers} layers) at {args.model}",
+              flush=True)
+        build_tiny_model(args.family, args.model, seed=0, spec=spec)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(args.model).get_text_config().vocab_size
@@ -102,7 +117,8 @@ def main() -> int:
             f"{args.prompt_len}-token prompts, {args.max_tokens} generated tokens; model {args.model}",
             "", "command: " + shlex.join([sys.executable, *sys.argv]),
             "", "BI modes' settings from the environment: " + ", ".join(
-                f"{k}={os.environ.get(k, '(unset)')}" for k in ("VLLM_BI_ATTENTION", "VLLM_BI_GEMM_CONFIGS")), "",
+                f"{k}={os.environ.get(k, '(unset)')}"
+                for k in ("VLLM_BI_ATTENTION", "VLLM_BI_GEMM_CONFIGS", "VLLM_BI_CUDA_GRAPHS")), "",
             "| mode | prefill tok/s | x slower than stock | generate tok/s | x slower than stock | "
             "prefill wall s | generate wall s |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -3,6 +3,7 @@
 script. (Its numbers on CPU mean nothing; the script itself checks every phase returned the token count
 asked for.)"""
 
+import json
 import os
 import re
 import subprocess
@@ -15,10 +16,11 @@ pytestmark = pytest.mark.server
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_generate_throughput_writes_a_measured_row(tiny_model_path, tmp_path):
+def test_generate_throughput_writes_a_measured_row(tmp_path):
     out = tmp_path / "e2e.md"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "generate_throughput.py"), "--model",
-           tiny_model_path("qwen3.5"), "--modes", "recurrent", "--requests", "3", "--prompt-len", "24",
+    model = tmp_path / "model"  # built by the script: the small spec at 8 layers (2 of them attention)
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "generate_throughput.py"), "--model", str(model),
+           "--spec", "default", "--layers", "8", "--modes", "recurrent", "--requests", "3", "--prompt-len", "24",
            "--max-tokens", "5", "--server-args", "--gpu-memory-utilization 0.3", "--out", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -28,3 +30,6 @@ def test_generate_throughput_writes_a_measured_row(tiny_model_path, tmp_path):
     prefill_tok_s, gen_tok_s = float(cells[1]), float(cells[3])
     assert prefill_tok_s > 0 and gen_tok_s > 0, row
     assert "command: " in text and re.search(r"3 concurrent requests, 24-token prompts, 5 generated", text)
+    assert "VLLM_BI_CUDA_GRAPHS=" in text
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg.get("num_hidden_layers", cfg.get("text_config", {}).get("num_hidden_layers")) == 8

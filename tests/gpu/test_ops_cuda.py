@@ -185,3 +185,18 @@ def test_rotary_table_on_device_once_and_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+@pytest.mark.parametrize("N,K", [(12288, 2048), (24576, 4096), (4096, 2048)])
+def test_triton_gemm_fused_layer_gives_its_parts_bits(N, K, monkeypatch):
+    """VLLM_BI_GEMM=triton: the server's fused product (vLLM's gate_up / qkv) equals, column for column, the
+    trainer's products of the parts, for every M. On Hopper vLLM's own table gives (12288, 2048) BLOCK_K 128 and its
+    halves the default 64; ops.gemm_configs.consistent_tiles gives every shape of one K the same BLOCK_K."""
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    w = (_rows(N, K, 1) * 0.02).to(DEV)
+    parts = (w[: N // 2].contiguous(), w[N // 2 :].contiguous(), w[: N // 4].contiguous())
+    for m in (1, 16, 300, 4096):
+        x = _rows(m, K, m).to(DEV)
+        fused = bi_linear(x, w)
+        assert torch.equal(torch.cat([bi_linear(x, parts[0]), bi_linear(x, parts[1])], dim=-1), fused), m
+        assert torch.equal(bi_linear(x, parts[2]), fused[:, : N // 4]), m

@@ -83,3 +83,69 @@ def test_trainer_refuses_a_server_with_other_tiles(tmp_path, monkeypatch):
     info = {"gdn_mode": "recurrent", "gemm": "triton", "ops": "vllm_bi", "gemm_configs": "none"}
     assert G.GEMM_CONFIGS_ENV in settings_mismatch(info)
     assert settings_mismatch(dict(info, gemm_configs=G.table_digest())) is None
+
+
+def _device_table(monkeypatch, C, table):
+    monkeypatch.setattr(C, "_TUNED_MATMUL_CONFIGS_FOR_DEVICE", table)
+    monkeypatch.setattr(C, "_TUNED_MATMUL_CONFIGS_RESOLVED", True)
+    monkeypatch.setattr(G, "_reference", None)
+    monkeypatch.setattr(G, "_user_shapes", set())
+
+
+DEFAULT = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8, "num_stages": 3,
+           "num_warps": 8}
+
+
+def _block_k(C, n, k, torch):
+    ks = {C._get_matmul_config(m, n, k, torch.bfloat16, DEFAULT)["BLOCK_SIZE_K"] for m in (1, 16, 300, 9000)}
+    assert len(ks) == 1  # one BLOCK_K per shape, whatever M
+    return ks.pop()
+
+
+@pytest.mark.parametrize("arch", ["hopper", "blackwell", "sm120", "ada"])
+def test_one_block_k_per_k_so_fused_layers_give_their_parts_bits(arch, monkeypatch):
+    """vLLM's own tables give a fused product and its parts different BLOCK_Ks (Hopper: its (12288, 2048) shape 128,
+    a (6144, 2048) part the default 64; Blackwell and sm120 mix them within one K). After consistent_tiles every
+    shape with one K, in the table or not, has the same BLOCK_K."""
+    torch = pytest.importorskip("torch")
+    C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
+    table = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS[arch])
+    _device_table(monkeypatch, C, table)
+    ks = sorted({k for _, k in table})
+    parts = [(n // 2, k) for n, k in table] + [(n, k) for n, k in table] + [(777, k) for k in ks] + [(512, 4000)]
+    if arch == "hopper":  # the trap as vLLM ships it: a fused MLP's shape and one of its halves
+        assert _block_k(C, 12288, 2048, torch) == 128 and _block_k(C, 6144, 2048, torch) == 64
+    for n, k in parts:
+        G.consistent_tiles(n, k)
+    for k in ks:
+        assert len({_block_k(C, n, kk, torch) for n, kk in parts if kk == k}) == 1, k
+    assert _block_k(C, 512, 4000, torch) == 64 and (512, 4000) not in table  # a K vLLM has no tiles for: default
+
+
+def test_the_table_files_block_k_is_the_reference_for_its_k(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
+    doc = {"format": 1, "arch": "hopper", "device": "t", "command": "t",
+           "shapes": {"4096x2048": {"block_k": 32, "m_buckets": [[1, 16, 64, 4, 3], [4096, 64, 64, 4, 3]]}}}
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, doc))
+    saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"])
+    try:
+        G._installed.clear()
+        G.install_gemm_configs()
+        _device_table(monkeypatch, C, C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"])
+        monkeypatch.setattr(G, "_user_shapes", {(4096, 2048)})
+        for n in (12288, 6144, 2048, 4096):
+            G.consistent_tiles(n, 2048)
+        assert {_block_k(C, n, 2048, torch) for n in (12288, 6144, 2048, 4096)} == {32}
+        assert C._get_matmul_config(1, 12288, 2048, torch.bfloat16, DEFAULT)["BLOCK_SIZE_N"] == 64  # the file's tiles
+        assert _block_k(C, 2048, 6144, torch) == 128  # another K keeps vLLM's
+    finally:
+        C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
+        G._installed.clear()
+
+
+def test_a_table_mixing_block_k_for_one_k_is_refused(tmp_path):
+    doc = json.loads(json.dumps(TABLE))
+    doc["shapes"]["4096x4096"] = {"block_k": 128, "m_buckets": [[1, 16, 64, 4, 3]]}
+    with pytest.raises(ValueError, match="same K must share one block_k"):
+        G.load_table(write(tmp_path, doc))

@@ -16,6 +16,13 @@ where ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOC
 bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward too: server and
 trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer refuses a
 server whose digest differs.
+
+One ``BLOCK_K`` per ``K``: vLLM fuses layers the trainer runs apart (``gate_up`` = ``gate`` and ``up``, ``qkv``, GDN's
+``in_proj_qkvz``), so the server's ``(2 I, H)`` product must give, column for column, the trainer's two ``(I, H)``
+products. A column's bits depend on ``K``'s loop only, so it is enough that every shape with the same ``K`` uses the
+same ``BLOCK_K``. vLLM's lookup does not promise that: on Hopper its Qwen3-1.7B shapes with ``K = 2048`` take 128
+and every other ``K = 2048`` shape its default 64, and its Blackwell and sm120 tables mix 32, 64 and 128 for one
+``K``. :func:`consistent_tiles`, called before every product, makes it so (a table file that mixes them is refused).
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ import hashlib
 import json
 import os
 
-__all__ = ["GEMM_CONFIGS_ENV", "install_gemm_configs", "load_table", "table_digest"]
+__all__ = ["GEMM_CONFIGS_ENV", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest"]
 
 GEMM_CONFIGS_ENV = "VLLM_BI_GEMM_CONFIGS"
 _installed: dict[str, str] = {}  # path -> digest of the table installed in this process
+_user_shapes: set[tuple[int, int]] = set()  # (N, K) of the installed table file
+_reference: dict | None = None  # K -> the shape config every (N, K) product uses, for the current device table
 
 
 def _path() -> str | None:
@@ -87,6 +96,13 @@ def load_table(path: str) -> tuple[str, dict[tuple[int, int], tuple[int, list[tu
         shapes[(n, k)] = (block_k, buckets)
     if not shapes:
         raise bad("no shapes")
+    per_k: dict[int, set[int]] = {}
+    for (n, k), (block_k, _) in shapes.items():
+        per_k.setdefault(k, set()).add(block_k)
+    mixed = {k: sorted(v) for k, v in per_k.items() if len(v) > 1}
+    if mixed:
+        raise bad(f"shapes with the same K must share one block_k (a fused layer's columns must give the bits of "
+                  f"its parts), got {mixed}")
     return arch, shapes
 
 
@@ -112,5 +128,40 @@ def install_gemm_configs() -> str:
         table[(n, k)] = shape_cls(block_k=block_k, m_buckets=tuple(
             (max_m, m_cls(bm, bn, warps, stages)) for max_m, bm, bn, warps, stages in buckets))
     C._TUNED_MATMUL_CONFIGS_RESOLVED = False  # vLLM reads its table for this device again
+    _user_shapes.update(shapes)
+    global _reference
+    _reference = None
     _installed[path] = table_digest()
     return _installed[path]
+
+
+def consistent_tiles(n: int, k: int) -> None:
+    """Make vLLM's lookup give the ``(n, k)`` product the ``BLOCK_K`` of every other shape with this ``k`` (see the
+    module doc). On the first call for a device table, each ``K`` gets one reference config: the table file's for
+    that ``K``, else vLLM's entry with the smallest ``BLOCK_K`` (ties: the smallest ``N``); a shape whose
+    ``BLOCK_K`` differs takes the reference config whole (its tiles ran with that ``BLOCK_K`` on this GPU family).
+    A shape missing from the table with a ``K`` that has a reference gets the reference too; one whose ``K`` has
+    none keeps vLLM's default (``BLOCK_K`` 64 for every such shape). Deterministic, so server and trainer agree."""
+    global _reference
+    from vllm.model_executor.determinism import batch_invariant_configs as C
+
+    if not C._TUNED_MATMUL_CONFIGS_RESOLVED:
+        C.resolve_tuned_matmul_configs()
+        _reference = None
+    table = C._TUNED_MATMUL_CONFIGS_FOR_DEVICE
+    if not table:
+        return
+    if _reference is None:
+        by_k: dict[int, list[tuple[int, object]]] = {}
+        for (nn, kk), cfg in sorted(table.items()):
+            by_k.setdefault(kk, []).append((nn, cfg))
+        ref = {}
+        for kk, entries in by_k.items():
+            mine = [cfg for nn, cfg in entries if (nn, kk) in _user_shapes]
+            ref[kk] = mine[0] if mine else min(entries, key=lambda e: (e[1].block_k, e[0]))[1]
+            for nn, cfg in entries:
+                if cfg.block_k != ref[kk].block_k:
+                    table[(nn, kk)] = ref[kk]
+        _reference = ref
+    if (n, k) not in table and k in _reference:
+        table[(n, k)] = _reference[k]

@@ -98,9 +98,10 @@ def _fp64_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _persistent_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     from vllm.model_executor.determinism.batch_invariant import matmul_persistent
 
-    from vllm_bi.ops.gemm_configs import install_gemm_configs
+    from vllm_bi.ops.gemm_configs import consistent_tiles, install_gemm_configs
 
     install_gemm_configs()  # VLLM_BI_GEMM_CONFIGS's tiles, if any (once per process)
+    consistent_tiles(b.shape[1], b.shape[0])  # one BLOCK_K per K: a fused layer gives its parts' bits
     return matmul_persistent(a, b, bias)
 
 
