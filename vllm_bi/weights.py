@@ -70,10 +70,11 @@ def _hash_device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
-def _value_sums(t: torch.Tensor) -> tuple[int, int]:
-    """The two sums (mod 2^64) of mixed value words of ``t``."""
+def _value_sums(t: torch.Tensor, device=None) -> tuple[int, int]:
+    """The two sums (mod 2^64) of mixed value words of ``t``, computed on ``device`` (default: the GPU if there is
+    one, else ``t``'s device); the same on every device."""
     flat = t.detach().reshape(-1)
-    dev = _hash_device(flat)
+    dev = _hash_device(flat) if device is None else torch.device(device)
     sums = [0, 0]
     for s in range(0, flat.numel(), _CHUNK):
         bits = flat[s : s + _CHUNK].to(dev).to(torch.float64).view(torch.int64)

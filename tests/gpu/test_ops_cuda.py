@@ -200,3 +200,13 @@ def test_triton_gemm_fused_layer_gives_its_parts_bits(N, K, monkeypatch):
         fused = bi_linear(x, w)
         assert torch.equal(torch.cat([bi_linear(x, parts[0]), bi_linear(x, parts[1])], dim=-1), fused), m
         assert torch.equal(bi_linear(x, parts[2]), fused[:, : N // 4]), m
+
+
+def test_weight_digest_sums_equal_on_cpu_and_cuda():
+    """The weight digest's integer arithmetic (int64 multiplies and sums wrapping modulo 2^64) gives the same words on
+    the GPU as on the CPU, where tests/test_weights.py checks it against numpy's unsigned words."""
+    from vllm_bi import weights
+
+    t = torch.randn(3_000_001).to(torch.bfloat16)
+    t[:4] = torch.tensor([0.0, -0.0, float("inf"), -1e30])
+    assert weights._value_sums(t, "cpu") == weights._value_sums(t, DEV) == weights._value_sums(t.to(DEV), DEV)
