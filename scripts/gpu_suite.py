@@ -463,8 +463,11 @@ def _verdict(job: Job, output: str, run_dir: str) -> dict:
         r = _json_report(output)
         if r is None:
             return {"passed": False, "error": "no JSON report (see the log)"}
-        return {"passed": bool(r["pass"]), "tokens": r["tokens"], "bitwise_equal": r["bitwise_equal"],
-                "max_abs_diff": r["max_abs_diff"], "mean_abs_diff": r["mean_abs_diff"]}
+        out = {"passed": bool(r["pass"]), "tokens": r["tokens"], "bitwise_equal": r["bitwise_equal"],
+               "max_abs_diff": r["max_abs_diff"], "mean_abs_diff": r["mean_abs_diff"], "server": r.get("server", "")}
+        if job.env.get("VLLM_BI_CUDA_GRAPHS") == "decode" and "FULL_DECODE_ONLY" not in out["server"]:
+            out.update(passed=False, error=f"the server did not report decode CUDA graphs ({out['server']!r})")
+        return out
     if job.kind == "trainer":
         from vllm_bi.trainer.metrics import read_metrics
 

@@ -50,6 +50,7 @@ class ParityReport:
     mean_abs_diff: float
     first_mismatch: dict | None
     settings: str = ""  # the trainer's vllm_bi settings the comparison ran with (the server was checked to match)
+    server: str = ""  # how the server ran what the trainer cannot mirror (its CUDA-graph mode), from vllm_bi_info
 
     @property
     def ok(self) -> bool:
@@ -78,6 +79,7 @@ class ParityReport:
             ("mean |diff|", f"{self.mean_abs_diff:.6g}"),
             ("first mismatch", fm),
             *([("settings", self.settings)] if self.settings else []),
+            *([("server", self.server)] if self.server else []),
             ("result", "PASS: trainer == server, bit for bit" if self.ok else "FAIL"),
         ]
         w = max(len(k) for k, _ in rows)
@@ -163,18 +165,28 @@ def settings_mismatch(info: dict) -> str | None:
     return None
 
 
-def check_server_settings(client, log) -> None:
-    """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's.
-    A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note."""
+def check_server_settings(client, log) -> dict | None:
+    """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's and
+    return them. A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note
+    (and None)."""
     try:
         info = client.server_info()
     except RuntimeError as e:
         log(f"note: could not read the server's vllm_bi settings ({str(e).splitlines()[0][:160]}); start it with "
             "VLLM_SERVER_DEV_MODE=1 to let this command check them")
-        return
+        return None
     why = settings_mismatch(info)
     if why:
         raise SettingsMismatch(why)
+    return info
+
+
+def server_execution(info: dict | None) -> str:
+    """The report's ``server`` line: the server's CUDA-graph mode (``NONE``: eager), when it reported one."""
+    if not info or info.get("cuda_graphs") in (None, "None"):
+        return ""
+    mode = info["cuda_graphs"]
+    return "eager (no CUDA graphs)" if mode == "NONE" else f"CUDA graphs {mode}"
 
 
 def run_parity(
@@ -215,10 +227,11 @@ def run_parity(
             f"T={temperature}) from {srv.url}, all in flight at once")
         return srv.complete_many(reqs)
 
+    info = None
     if server_url:
         client = VllmClient(server_url, model)
         if not stock_server:
-            check_server_settings(client, log)
+            info = check_server_settings(client, log)
         completions = sample(client)
     else:
         log(f"starting VLLM_BATCH_INVARIANT={0 if stock_server else 1} vllm serve (about a minute on 2 CPU cores)")
@@ -226,7 +239,7 @@ def run_parity(
         env = cpu_env(not stock_server, {"VLLM_SERVER_DEV_MODE": "1"})
         with VllmServer(model, batch_invariant=not stock_server, env=env, args=args) as srv:
             if not stock_server:
-                check_server_settings(srv, log)
+                info = check_server_settings(srv, log)
             completions = sample(srv)
 
     def progress(it):
@@ -246,7 +259,8 @@ def run_parity(
             if a != b and first is None:
                 first = {"sequence": si, "prompt": si // n, "sample": si % n, "position": pos, "server": a, "trainer": b}
     return ParityReport(model, trainer, len(completions), tokens, equal, max_d, sum_d / max(tokens, 1), first,
-                        trainer_settings(trainer_device or default_trainer_device()) if trainer == "vllm_bi" else "")
+                        trainer_settings(trainer_device or default_trainer_device()) if trainer == "vllm_bi" else "",
+                        server_execution(info))
 
 
 def trainer_settings(device: str) -> str:

@@ -82,7 +82,8 @@ def test_negative_control_recurrent_trainer_and_mode_report(served, monkeypatch)
     from vllm_bi.parity import trainer_logprobs
 
     model, srv, _, busy, _ = served
-    assert srv.server_info()["gdn_mode"] == "chunk"
+    info = srv.server_info()
+    assert info["gdn_mode"] == "chunk" and info["cuda_graphs"] == "NONE"
     monkeypatch.delenv("VLLM_BI_GDN_MODE", raising=False)
     got = trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model), busy[:4], pack=4)
     same = sum(a == b for c, lp in zip(busy[:4], got) for a, b in zip(c.logprobs, lp))

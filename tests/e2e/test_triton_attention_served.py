@@ -40,6 +40,7 @@ def test_trainer_equals_server_with_the_triton_attention(server):
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["tokens"] == 8 * 2 * 12 and rep["bitwise_equal"] == rep["tokens"], rep
     assert "attention triton" in rep["settings"], rep  # the report names the op the trainer ran
+    assert rep["server"] == "eager (no CUDA graphs)", rep  # and how the server ran (vLLM on CPU: no graphs)
 
 
 def test_a_trainer_on_the_torch_attention_is_refused(server):

@@ -691,8 +691,12 @@ def _worker_info(self) -> dict:
     from vllm_bi.ops.linear import gemm_mode
 
     device = "cuda" if current_platform.is_cuda() else "cpu"
+    graphs = "NONE"  # CPU: no CUDA graphs, whatever the config says
+    if device == "cuda":
+        graphs = getattr(getattr(getattr(self, "vllm_config", None), "compilation_config", None), "cudagraph_mode", None)
     return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode(),
-            "device": device, "attention": attention_backend(device), "gemm_configs": table_digest()}
+            "device": device, "attention": attention_backend(device), "gemm_configs": table_digest(),
+            "cuda_graphs": str(getattr(graphs, "name", graphs))}
 
 
 def _patch_worker_rpc() -> None:
