@@ -498,6 +498,9 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             log(f"{'resuming at' if resumed else 'starting'} step {start}/{cfg.steps}: {cfg.prompts_per_step} prompts "
                 f"x {cfg.group_size} samples, {cfg.algo}, max_staleness {cfg.max_staleness}, "
                 f"{dist.world} trainer process(es), server {client.url}")
+            if str(dist.device).startswith("cuda"):
+                log("the first step compiles and autotunes fla-core's GDN backward kernels in each process (about "
+                    "1.5 minutes on an H200); later steps reuse them")
 
             def generate(b: int, v: int) -> RolloutBatch:
                 return generate_batch(client, tokenizer, source, reward_fn, cfg, b, v)
