@@ -3,6 +3,7 @@
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
 #                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
+#                                    moe [ARGS ;] (benchmarks/moe_layer.py: MoE experts, BI loop / triton vs stock),
 #                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
@@ -115,6 +116,10 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 bi_gemm_tune.py --out "$LOG/bench_gemm_tune.md" \
         --out-json "$LOG/bi_gemm_tiles.json" "${args[@]}" ) 2>&1 | tee "$LOG/gemm-tune.log" ;;
+    moe)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO/benchmarks" && python3 moe_layer.py --out "$LOG/bench_moe.md" "${args[@]}" ) 2>&1 \
+        | tee "$LOG/moe.log" ;;
     e2e)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 generate_throughput.py --stock-args "--gdn-prefill-backend triton" \

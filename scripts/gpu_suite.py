@@ -55,7 +55,7 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm="fp64", attention="auto", graphs="") -> Job:
+            prompts=None, gemm="fp64", attention="auto", graphs="", moe="loop") -> Job:
     server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -64,7 +64,7 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
     if prompts:
         argv += ["--prompts", prompts]
     env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention,
-           "VLLM_BI_CUDA_GRAPHS": graphs}
+           "VLLM_BI_CUDA_GRAPHS": graphs, "VLLM_BI_MOE": moe}
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 
 
@@ -128,6 +128,16 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
             _parity("parity CUDA graphs (decode) qwen3.5", m["qwen3.5"], attention="triton", graphs="decode"),
             _parity("parity CUDA graphs (decode) qwen3.5 9b-dims", m["qwen3.5-9b"], attention="triton",
                     graphs="decode", max_tokens=16)],
+        # the grouped MoE kernels (VLLM_BI_MOE=triton): parity, with decode CUDA graphs (MoE is capturable then), and
+        # the trainer's backward through them
+        "moe-triton": [
+            _parity("parity MoE triton qwen3.5-moe", m["qwen3.5-moe"], moe="triton"),
+            _parity("parity MoE triton moe-router (256 experts, top-8)", m["moe-router"], moe="triton", max_tokens=16),
+            _parity("parity MoE triton + CUDA graphs (decode) qwen3.5-moe", m["qwen3.5-moe"], moe="triton",
+                    graphs="decode"),
+            Job("trainer 1 GPU MoE triton qwen3.5-moe", "trainer", [sys.executable, *trainer, "--model",
+                                                                    m["qwen3.5-moe"]],
+                {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_MOE": "triton"})],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],

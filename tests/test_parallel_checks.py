@@ -58,6 +58,15 @@ def test_moe_with_expert_parallel_refused_on_cpu():
         _check_parallelism(_config(tp=2, experts=8, ep=True), CPU)
 
 
+def test_moe_triton_with_tp_refused(monkeypatch):
+    # the grouped MoE kernels have no exact partial sums to all-reduce
+    monkeypatch.setenv("VLLM_BI_MOE", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(BatchInvarianceConfigError, match="VLLM_BI_MOE=loop"):
+        _check_parallelism(_config(tp=2, experts=8), CPU)
+    _check_parallelism(_config(tp=2), CPU)  # a dense model: no MoE layer to refuse
+
+
 def test_attention_op_setting_is_checked_at_engine_creation(monkeypatch):
     from vllm_bi.model_executor.patches import _check_op_settings
 
@@ -106,3 +115,5 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.delenv("VLLM_BI_CUDA_OPS")
     assert graph_blockers(has_moe=False) == []
     _check_graphs(_config())  # a dense model with the recurrent mode and the Triton attention: allowed
+    monkeypatch.setenv("VLLM_BI_MOE", "triton")  # MoE experts grouped on the device: capturable
+    assert graph_blockers(has_moe=True) == []

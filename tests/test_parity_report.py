@@ -13,3 +13,17 @@ def test_server_line_names_the_cuda_graph_mode():
     assert "server" in rep.table() and "CUDA graphs FULL_DECODE_ONLY" in rep.table()
     assert json.loads(rep.to_json())["server"] == "CUDA graphs FULL_DECODE_ONLY"
     assert not any(ln.startswith("server ") for ln in ParityReport("m", "hf", 1, 2, 2, 0.0, 0.0, None).table().splitlines())
+
+
+def test_trainer_refuses_a_server_with_another_moe_path(monkeypatch):
+    from vllm_bi.parity import settings_mismatch, trainer_settings
+
+    info = {"gdn_mode": "recurrent", "gemm": "fp64", "device": "cuda", "attention": "triton", "moe": "triton"}
+    monkeypatch.delenv("VLLM_BI_MOE", raising=False)
+    for k in ("VLLM_BI_GDN_MODE", "VLLM_BI_GEMM", "VLLM_BI_ATTENTION"):
+        monkeypatch.delenv(k, raising=False)
+    why = settings_mismatch(info)
+    assert why and "MoE experts run the triton path" in why and "VLLM_BI_MOE" in why
+    monkeypatch.setenv("VLLM_BI_MOE", "triton")
+    assert settings_mismatch(info) is None
+    assert "MoE experts triton" in trainer_settings("cuda")

@@ -44,16 +44,18 @@ def _cmd_info(args) -> int:
     from vllm_bi.model_executor.cuda import cuda_ops_mode
     from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
 
-    def attention_on(dev):
+    def on(backend, dev):
         try:
-            return attention_backend(dev)
+            return backend(dev)
         except RuntimeError as e:  # triton on CPU without the interpreter: refused where it would run
             return f"refused ({e})"
 
     print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}; "
-          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}; attention op ({ATTENTION_ENV}): {attention_on('cpu')} on "
-          f"CPU, {attention_on('cuda')} on CUDA")
+          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}; attention op ({ATTENTION_ENV}): {on(attention_backend, 'cpu')} "
+          f"on CPU, {on(attention_backend, 'cuda')} on CUDA; MoE experts ({MOE_ENV}): {on(moe_backend, 'cpu')} on "
+          f"CPU, {on(moe_backend, 'cuda')} on CUDA")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1

@@ -158,6 +158,13 @@ def settings_mismatch(info: dict) -> str | None:
         if info["attention"] != mine:
             return (f"the server's attention runs the {info['attention']} op, this trainer's the {mine} op on "
                     f"{info.get('device', 'cpu')}; set {ATTENTION_ENV} to the same value on both sides")
+    if "moe" in info:
+        from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+
+        mine = moe_backend(info.get("device", "cpu"))
+        if info["moe"] != mine:
+            return (f"the server's MoE experts run the {info['moe']} path, this trainer's the {mine} path; set "
+                    f"{MOE_ENV} to the same value on both sides")
     if info.get("ops", "vllm_bi") != "vllm_bi":
         return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
                 "serving is batch-invariant, but the trainer's ops give other bits; restart it without "
@@ -269,6 +276,8 @@ def trainer_settings(device: str) -> str:
     from vllm_bi.ops.attention_triton import attention_backend
     from vllm_bi.ops.gemm_configs import table_digest
     from vllm_bi.ops.linear import gemm_mode
+    from vllm_bi.ops.moe_triton import moe_backend
 
     tiles = f" (tiles {table_digest()})" if gemm_mode() == "triton" else ""
-    return f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(device)}, trainer on {device}"
+    return (f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(device)}, MoE experts "
+            f"{moe_backend(device)}, trainer on {device}")

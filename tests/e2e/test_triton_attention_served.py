@@ -4,9 +4,6 @@ whose trainer runs it on packed sequences: every sampled token's logprob equal. 
 refused before sampling (exit 2), since the two ops give other bits."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +11,6 @@ from vllm_bi.testing.server import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 
-EXE = os.path.join(os.path.dirname(sys.executable), "vllm-bi")
 TRITON_ENV = {"VLLM_BI_ATTENTION": "triton", "TRITON_INTERPRET": "1"}
 DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # the settings check reads vllm_bi_info over /collective_rpc
 
@@ -28,14 +24,10 @@ def server(tiny_model_path):
         yield model, srv.url
 
 
-def _parity(env, *args):
-    return subprocess.run([EXE, "parity", *args], capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, **env))
-
-
-def test_trainer_equals_server_with_the_triton_attention(server):
+def test_trainer_equals_server_with_the_triton_attention(server, parity_cli):
     model, url = server
-    r = _parity(TRITON_ENV, "--model", model, "--server", url, "--n", "2", "--max-tokens", "12", "--json")
+    r = parity_cli("--model", model, "--server", url, "--n", "2", "--max-tokens", "12", "--json",
+                   env=TRITON_ENV)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
     assert rep["tokens"] == 8 * 2 * 12 and rep["bitwise_equal"] == rep["tokens"], rep
@@ -43,8 +35,9 @@ def test_trainer_equals_server_with_the_triton_attention(server):
     assert rep["server"] == "eager (no CUDA graphs)", rep  # and how the server ran (vLLM on CPU: no graphs)
 
 
-def test_a_trainer_on_the_torch_attention_is_refused(server):
+def test_a_trainer_on_the_torch_attention_is_refused(server, parity_cli):
     model, url = server
-    r = _parity({"VLLM_BI_ATTENTION": "torch"}, "--model", model, "--server", url, "--n", "1", "--max-tokens", "4")
+    r = parity_cli("--model", model, "--server", url, "--n", "1", "--max-tokens", "4",
+                   env={"VLLM_BI_ATTENTION": "torch"})
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
     assert "VLLM_BI_ATTENTION" in r.stderr and "triton" in r.stderr

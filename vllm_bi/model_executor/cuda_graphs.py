@@ -9,7 +9,8 @@ prefills and mixed steps stay eager. A captured step runs the same kernels on th
 its bits are the same; padded rows read and write vLLM's null slot and block.
 
 Refused where a decode step still reads the host: the chunk GDN mode (its partial blocks), the torch attention
-op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers (experts grouped on the host), and vLLM's
+op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers on the default loop path (experts grouped on
+the host; ``VLLM_BI_MOE=triton`` groups them on the device), and vLLM's
 own kernels (``VLLM_BI_CUDA_OPS=vllm``). On the H200 the trainer reproduced such a server's every token (768/768
 on qwen3.5, 512/512 at 9b-dims; session 8, after the RoPE table's per-call host copy was removed); ``vllm-bi
 parity`` names the server's CUDA-graph mode.
@@ -49,5 +50,8 @@ def graph_blockers(has_moe: bool) -> list[str]:
     if not own_ops_requested():
         why.append("VLLM_BI_CUDA_OPS=vllm (vLLM's own kernels: not planned for capture here)")
     if has_moe:
-        why.append("MoE layers (experts grouped on the host)")
+        from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+
+        if moe_backend("cuda") != "triton":
+            why.append(f"MoE layers with {MOE_ENV}={moe_backend('cuda')} (experts grouped on the host; use triton)")
     return why

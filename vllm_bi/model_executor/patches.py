@@ -205,14 +205,16 @@ def _check_graphs(config) -> None:
 
 
 def _check_op_settings(platform) -> None:
-    """``VLLM_BI_ATTENTION`` and ``VLLM_BI_GEMM_CONFIGS`` read at engine creation, so a bad value stops the server
-    at start-up, not at its first request."""
+    """``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE`` and ``VLLM_BI_GEMM_CONFIGS`` read at engine creation, so a bad value
+    stops the server at start-up, not at its first request."""
     from vllm_bi.ops.attention_triton import attention_backend
     from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, load_table
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+    from vllm_bi.ops.moe_triton import moe_backend
 
     try:
         op = attention_backend("cuda" if platform.is_cuda() else "cpu")
+        moe_backend("cuda" if platform.is_cuda() else "cpu")
         tiles = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
         if tiles:
             arch, shapes = load_table(tiles)
@@ -242,6 +244,12 @@ def _check_parallelism(config, platform) -> None:
                 f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) on GPU is verified with vllm_bi's op "
                 "library only; unset VLLM_BI_CUDA_OPS (default vllm_bi) or use --tensor-parallel-size 1 "
                 f"({UNVERIFIED_TP_ENV}=1 runs it unverified, for measuring).")
+    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+
+    if has_moe and moe_backend("cuda" if platform.is_cuda() else "cpu") != "loop":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs {MOE_ENV}=loop (its "
+            "exact partial sums); unset it or use --tensor-parallel-size 1.")
     if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
@@ -694,9 +702,11 @@ def _worker_info(self) -> dict:
     graphs = "NONE"  # CPU: no CUDA graphs, whatever the config says
     if device == "cuda":
         graphs = getattr(getattr(getattr(self, "vllm_config", None), "compilation_config", None), "cudagraph_mode", None)
+    from vllm_bi.ops.moe_triton import moe_backend
+
     return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode(),
             "device": device, "attention": attention_backend(device), "gemm_configs": table_digest(),
-            "cuda_graphs": str(getattr(graphs, "name", graphs))}
+            "moe": moe_backend(device), "cuda_graphs": str(getattr(graphs, "name", graphs))}
 
 
 def _patch_worker_rpc() -> None:

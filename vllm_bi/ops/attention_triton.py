@@ -32,7 +32,6 @@ trainer's bits on every token (qwen3.5, qwen3.5-moe, 9b-dims, the chunk GDN mode
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -52,14 +51,14 @@ _KERNEL = None
 
 def attention_backend(device: torch.device | str) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device``, from ``VLLM_BI_ATTENTION`` (auto, torch, triton)."""
-    choice = os.environ.get(ATTENTION_ENV, ATTENTION_DEFAULT).strip().lower() or ATTENTION_DEFAULT
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"{ATTENTION_ENV}={choice!r}: use auto (Triton on CUDA, torch on CPU), torch or triton")
+    from vllm_bi.ops._choice import check_triton_device, env_choice
+
+    choice = env_choice(ATTENTION_ENV, ATTENTION_DEFAULT, ("auto", "torch", "triton"),
+                        "auto (Triton on CUDA, torch on CPU), torch or triton")
     dev_type = torch.device(device).type
     if choice == "auto":
         return "triton" if dev_type == "cuda" else "torch"
-    if choice == "triton" and dev_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{ATTENTION_ENV}=triton on {dev_type} needs TRITON_INTERPRET=1 (slow; for tests only)")
+    check_triton_device(ATTENTION_ENV, choice, dev_type)
     return choice
 
 

@@ -8,7 +8,10 @@ sort: ties go to the lower expert id) and a softmax over the k selected logits.
 Experts: every (token, expert) pair is ``down(silu_mul(gate_up(x)))`` through
 :func:`bi_linear`, whose result for a row does not depend on which other rows
 share the GEMM; the k expert outputs of a token are summed in fp32 in the
-order of its top-k list, then rounded once.
+order of its top-k list, then rounded once. ``VLLM_BI_MOE`` picks how:
+``loop`` (default) over the routed experts on the host, exact float64 products
+(:func:`moe_experts_loop`); ``triton``, grouped tensor-core kernels with no host
+read (:mod:`vllm_bi.ops.moe_triton`; other bits, so server and trainer agree on it).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.softmax import logsumexp, softmax
 
-__all__ = ["softmax_topk", "moe_experts"]
+__all__ = ["softmax_topk", "moe_experts", "moe_experts_loop", "combine_topk"]
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +48,27 @@ def moe_experts(
     apply_router_weight_on_input: bool = False,
     sum_partials=None,
 ) -> torch.Tensor:
-    """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype.
+    """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype, by the path
+    ``VLLM_BI_MOE`` picks (module doc). ``sum_partials``: tensor parallelism, the loop path only."""
+    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend, moe_experts_triton
+
+    if moe_backend(x.device) == "triton":
+        if sum_partials is not None:
+            raise NotImplementedError(f"vllm_bi: {MOE_ENV}=triton with tensor parallelism: use {MOE_ENV}=loop")
+        return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input)
+    return moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, sum_partials)
+
+
+def moe_experts_loop(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    apply_router_weight_on_input: bool = False,
+    sum_partials=None,
+) -> torch.Tensor:
+    """:func:`moe_experts` by a host loop over the routed experts.
 
     Each expert's down projection is an exact float64 sum rounded once to ``x.dtype`` (as ``bi_linear``).
     ``sum_partials`` (tensor parallelism: ``w13``/``w2`` hold this rank's slice of the intermediate dim) maps
@@ -66,10 +89,17 @@ def moe_experts(
         y64[tok, slot] = bi_linear(h, w2[e], out_dtype=torch.float64)
     if sum_partials is not None:
         y64 = sum_partials(y64.reshape(T * k, H)).reshape(T, k, H)
-    y = y64.to(x.dtype).float()
-    if not apply_router_weight_on_input:
-        y = y * topk_weights.float().unsqueeze(-1)
-    out32 = torch.zeros((T, H), dtype=torch.float32, device=x.device)
-    for j in range(k):
-        out32 = out32 + y[:, j]
-    return out32.to(x.dtype)
+    return combine_topk(y64.to(x.dtype), topk_weights, apply_router_weight_on_input)
+
+
+def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, weighted_on_input: bool) -> torch.Tensor:
+    """A token's output from its k expert outputs ``y [T, k, H]`` (each already rounded to the activation dtype):
+    scaled by the routing weights in fp32 (unless they scaled the inputs), summed in the order of the token's
+    top-k list, rounded once."""
+    yf = y.float()
+    if not weighted_on_input:
+        yf = yf * topk_weights.float().unsqueeze(-1)
+    out32 = torch.zeros(yf.shape[0], yf.shape[2], dtype=torch.float32, device=y.device)
+    for j in range(yf.shape[1]):
+        out32 = out32 + yf[:, j]
+    return out32.to(y.dtype)

@@ -1,0 +1,41 @@
+"""The grouped MoE kernels (``VLLM_BI_MOE=triton``, meant for CUDA) served end to end on CPU through Triton's
+interpreter: a real ``vllm serve`` of a Qwen3.5-MoE whose expert layers run the kernels, and ``vllm-bi parity``
+whose trainer runs them too: every sampled token's logprob equal. A trainer on the float64 loop path is refused
+before sampling (exit 2), since the two paths give other bits."""
+
+import json
+
+import pytest
+
+from vllm_bi.testing.server import VllmServer, cpu_env
+
+pytestmark = pytest.mark.server
+
+MOE_ENV = {"VLLM_BI_MOE": "triton", "TRITON_INTERPRET": "1"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path):
+    pytest.importorskip("triton")
+    model = tiny_model_path("qwen3.5-moe")
+    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
+                    env=cpu_env(True, dict(MOE_ENV, VLLM_SERVER_DEV_MODE="1"))) as srv:
+        yield model, srv.url
+
+
+def test_trainer_equals_server_with_the_grouped_moe_kernels(server, parity_cli):
+    model, url = server
+    r = parity_cli("--model", model, "--server", url, "--n", "2", "--max-tokens", "8", "--json",
+                   env=MOE_ENV)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["tokens"] == 8 * 2 * 8 and rep["bitwise_equal"] == rep["tokens"], rep
+    assert "MoE experts triton" in rep["settings"], rep
+
+
+def test_a_trainer_on_the_loop_path_is_refused(server, parity_cli):
+    model, url = server
+    r = parity_cli("--model", model, "--server", url, "--n", "1", "--max-tokens", "4",
+                   env={"VLLM_BI_MOE": "loop"})
+    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert "VLLM_BI_MOE" in r.stderr and "triton" in r.stderr
