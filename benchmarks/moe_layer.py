@@ -10,10 +10,13 @@ top-10). Random bf16 weights and a random softmax top-k routing per token count.
 * stock: vLLM 0.32's ``fused_experts`` (Triton, its tuned or default configs; not batch-invariant);
 * BI loop: ``vllm_bi.ops.moe.moe_experts_loop`` (``VLLM_BI_MOE=loop``, the default: a host loop over the routed
   experts, exact float64 products);
-* BI triton: ``vllm_bi.ops.moe_triton.moe_experts_triton`` (``VLLM_BI_MOE=triton``: grouped kernels, no host read).
+* BI exact: ``vllm_bi.ops.moe_triton.moe_experts_triton(..., exact=True)`` (``VLLM_BI_MOE=exact``: grouped float64
+  kernels, no host read, the loop's bits);
+* BI triton: the same with bf16 tensor cores (``VLLM_BI_MOE=triton``: other bits).
 
-Before timing, each token count checks that the triton path gives token 0 the bits it gets alone, and reports
-the relative L2 distance of both BI paths to stock (bf16 rounding differences only).
+Before timing, each token count checks that the triton path gives token 0 the bits it gets alone and that the
+exact path gives the loop's bits (where the loop runs), and reports the relative L2 distance of the loop and the
+triton path to stock (bf16 rounding differences only).
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ def main() -> None:
     rows = [f"# MoE routed experts: {E} experts, top-{k}, hidden {H}, expert MLP {I}; "
             f"{torch.cuda.get_device_name()}, torch {torch.__version__}", "",
             "command: " + shlex.join([sys.executable, *sys.argv]), "",
-            "| tokens | stock ms | BI loop ms | ratio | BI triton ms | ratio | triton: token 0 alone == batched "
-            "| rel. L2 to stock (loop / triton) |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+            "| tokens | stock ms | BI loop ms | ratio | BI exact ms | ratio | BI triton ms | ratio | "
+            "triton: token 0 alone == batched | exact == loop | rel. L2 to stock (loop / triton) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     print("\n".join(rows), flush=True)
     for T in (int(t) for t in args.tokens.split(",")):
         x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
@@ -66,6 +69,8 @@ def main() -> None:
         same = torch.equal(moe_experts_triton(x[:1], w13, w2, w[:1], ids32[:1]), tri[:1])
         t_stock = timed(lambda: fused_experts(x, w13, w2, w, ids32), args.reps)
         t_tri = timed(lambda: moe_experts_triton(x, w13, w2, w, ids32), args.reps)
+        exact = moe_experts_triton(x, w13, w2, w, ids32, exact=True)
+        t_ex = timed(lambda: moe_experts_triton(x, w13, w2, w, ids32, exact=True), args.reps)
 
         def rel(a):
             return ((a.float() - stock.float()).norm() / stock.float().norm()).item()
@@ -74,10 +79,11 @@ def main() -> None:
             loop = moe_experts_loop(x, w13, w2, w, ids32)
             t_loop = timed(lambda: moe_experts_loop(x, w13, w2, w, ids32), max(3, args.reps // 3), warmup=1)
             loop_cells, d_loop = f"{t_loop:.3f} | {t_loop / t_stock:.1f}x", f"{rel(loop):.1e}"
+            ex_same = "yes" if torch.equal(exact, loop) else "**NO**"
         else:
-            loop_cells, d_loop = "skipped | ", "-"
-        rows.append(f"| {T} | {t_stock:.3f} | {loop_cells} | {t_tri:.3f} | {t_tri / t_stock:.2f}x | "
-                    f"{'yes' if same else '**NO**'} | {d_loop} / {rel(tri):.1e} |")
+            loop_cells, d_loop, ex_same = "skipped | ", "-", "-"
+        rows.append(f"| {T} | {t_stock:.3f} | {loop_cells} | {t_ex:.3f} | {t_ex / t_stock:.2f}x | {t_tri:.3f} | "
+                    f"{t_tri / t_stock:.2f}x | {'yes' if same else '**NO**'} | {ex_same} | {d_loop} / {rel(tri):.1e} |")
         print(rows[-1], flush=True)
     emit("\n".join(rows) + "\n", args.out)
 

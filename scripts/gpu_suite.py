@@ -128,13 +128,15 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
             _parity("parity CUDA graphs (decode) qwen3.5", m["qwen3.5"], attention="triton", graphs="decode"),
             _parity("parity CUDA graphs (decode) qwen3.5 9b-dims", m["qwen3.5-9b"], attention="triton",
                     graphs="decode", max_tokens=16)],
-        # the grouped MoE kernels (VLLM_BI_MOE=triton): parity, with decode CUDA graphs (MoE is capturable then), and
-        # the trainer's backward through them
+        # the grouped MoE kernels (VLLM_BI_MOE=triton, bf16; exact, float64): parity, with decode CUDA graphs (MoE is
+        # capturable then), and the trainer's backward through them
         "moe-triton": [
             _parity("parity MoE triton qwen3.5-moe", m["qwen3.5-moe"], moe="triton"),
             _parity("parity MoE triton moe-router (256 experts, top-8)", m["moe-router"], moe="triton", max_tokens=16),
             _parity("parity MoE triton + CUDA graphs (decode) qwen3.5-moe", m["qwen3.5-moe"], moe="triton",
                     graphs="decode"),
+            _parity("parity MoE exact (float64 kernels) + CUDA graphs (decode) qwen3.5-moe", m["qwen3.5-moe"],
+                    moe="exact", graphs="decode"),
             Job("trainer 1 GPU MoE triton qwen3.5-moe", "trainer", [sys.executable, *trainer, "--model",
                                                                     m["qwen3.5-moe"]],
                 {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_MOE": "triton"})],

@@ -115,5 +115,6 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.delenv("VLLM_BI_CUDA_OPS")
     assert graph_blockers(has_moe=False) == []
     _check_graphs(_config())  # a dense model with the recurrent mode and the Triton attention: allowed
-    monkeypatch.setenv("VLLM_BI_MOE", "triton")  # MoE experts grouped on the device: capturable
-    assert graph_blockers(has_moe=True) == []
+    for mode in ("exact", "triton"):  # MoE experts grouped on the device: capturable
+        monkeypatch.setenv("VLLM_BI_MOE", mode)
+        assert graph_blockers(has_moe=True) == []

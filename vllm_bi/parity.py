@@ -159,12 +159,12 @@ def settings_mismatch(info: dict) -> str | None:
             return (f"the server's attention runs the {info['attention']} op, this trainer's the {mine} op on "
                     f"{info.get('device', 'cpu')}; set {ATTENTION_ENV} to the same value on both sides")
     if "moe" in info:
-        from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+        from vllm_bi.ops.moe_triton import MOE_ENV, moe_arithmetic, moe_backend
 
         mine = moe_backend(info.get("device", "cpu"))
-        if info["moe"] != mine:
-            return (f"the server's MoE experts run the {info['moe']} path, this trainer's the {mine} path; set "
-                    f"{MOE_ENV} to the same value on both sides")
+        if moe_arithmetic(info["moe"], info.get("gemm", "fp64")) != moe_arithmetic(mine, gemm_mode()):
+            return (f"the server's MoE experts run the {info['moe']} path, this trainer's the {mine} path, which give "
+                    f"other bits; set {MOE_ENV} to the same value on both sides")
     if info.get("ops", "vllm_bi") != "vllm_bi":
         return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
                 "serving is batch-invariant, but the trainer's ops give other bits; restart it without "

@@ -1,7 +1,8 @@
-"""The grouped MoE kernels (``VLLM_BI_MOE=triton``, meant for CUDA) served end to end on CPU through Triton's
-interpreter: a real ``vllm serve`` of a Qwen3.5-MoE whose expert layers run the kernels, and ``vllm-bi parity``
-whose trainer runs them too: every sampled token's logprob equal. A trainer on the float64 loop path is refused
-before sampling (exit 2), since the two paths give other bits."""
+"""The grouped MoE kernels (``VLLM_BI_MOE=triton|exact``, meant for CUDA) served end to end on CPU through Triton's
+interpreter: a real ``vllm serve`` of a Qwen3.5-MoE whose expert layers run the bf16 kernels, and ``vllm-bi
+parity`` whose trainer runs them too: every sampled token's logprob equal; a trainer on the float64 loop path is
+refused before sampling (exit 2), since the two give other bits. A server on the float64 kernels (``exact``) and a
+trainer on the default loop path: every token equal, no refusal (the same bits)."""
 
 import json
 
@@ -39,3 +40,16 @@ def test_a_trainer_on_the_loop_path_is_refused(server, parity_cli):
                    env={"VLLM_BI_MOE": "loop"})
     assert r.returncode == 2, r.stdout + r.stderr[-3000:]
     assert "VLLM_BI_MOE" in r.stderr and "triton" in r.stderr
+
+
+def test_a_server_on_the_exact_kernels_gives_the_loop_paths_bits(tiny_model_path, parity_cli):
+    model = tiny_model_path("qwen3.5-moe")
+    env = {"VLLM_BI_MOE": "exact", "TRITON_INTERPRET": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
+                    env=cpu_env(True, env)) as srv:
+        r = parity_cli("--model", model, "--server", srv.url, "--n", "2", "--max-tokens", "8", "--json",
+                       env={"VLLM_BI_MOE": "loop"})
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["tokens"] == 8 * 2 * 8 and rep["bitwise_equal"] == rep["tokens"], rep
+    assert "MoE experts loop" in rep["settings"], rep

@@ -215,7 +215,7 @@ def test_weight_digest_sums_equal_on_cpu_and_cuda():
 def test_moe_triton_rows_invariant_close_and_capturable():
     """VLLM_BI_MOE=triton on CUDA (bf16 tensor cores): a token's bits the same alone, batched and in a permuted
     batch, within 2e-2 (relative L2) of the exact float64 loop path, and a call captured in a CUDA graph (no host
-    read) replays to the eager bits."""
+    read) replays to the eager bits. VLLM_BI_MOE=exact: the loop path's very bits."""
     from vllm_bi.ops.moe import moe_experts_loop
     from vllm_bi.ops.moe_triton import moe_experts_triton
 
@@ -244,3 +244,6 @@ def test_moe_triton_rows_invariant_close_and_capturable():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, out[:64])
+    # VLLM_BI_MOE=exact: Triton's float64 products give the float64 loop's bits, alone and batched
+    assert torch.equal(moe_experts_triton(x, w13, w2, w, ids, exact=True), ref)
+    assert torch.equal(moe_experts_triton(x[9:10], w13, w2, w[9:10], ids[9:10], exact=True), ref[9:10])

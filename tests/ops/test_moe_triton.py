@@ -1,10 +1,10 @@
-"""The grouped Triton MoE experts (``VLLM_BI_MOE=triton``, ``vllm_bi.ops.moe_triton``) through Triton's interpreter
-on CPU, with fp32 products (the interpreter's bf16 ``tl.dot`` is wrong). Checked: the device-built block layout
-(every pair in exactly one block of its expert; an expert with more pairs than a block, one with none); accuracy
-against float64 (2e-2 relative L2: bf16 outputs); a token's bits the same alone, in the batch and in a permuted
-batch; the routing weight applied on the input; gradients against float64 autograd (5e-2 relative L2); and, as a
-negative control, other bits than the float64 loop path (the modes are not interchangeable). The compiled
-kernel's bits and speed are for the GPU."""
+"""The grouped Triton MoE experts (``VLLM_BI_MOE=exact|triton``, ``vllm_bi.ops.moe_triton``) through Triton's
+interpreter on CPU, the bf16 mode with fp32 products (the interpreter's bf16 ``tl.dot`` is wrong). Checked: the
+device-built block layout (every pair in exactly one block of its expert; an expert with more pairs than a block,
+one with none); accuracy against float64 (2e-2 relative L2: bf16 outputs); a token's bits the same alone, in the
+batch and in a permuted batch; the routing weight applied on the input; gradients against float64 autograd (5e-2
+relative L2); other bits than the float64 loop path for the bf16 mode (the modes are not interchangeable), and
+the loop path's very bits for the float64 mode. The compiled kernels' bits and speed are for the GPU."""
 
 import textwrap
 
@@ -76,7 +76,15 @@ SCRIPT = textwrap.dedent("""
     for name, a, b in zip(("x", "w13", "w2", "weights"), got, want):
         assert rel(a, b) < 5e-2, (name, rel(a, b))
 
-    assert not torch.equal(moe_experts_loop(x, w13, w2, w, ids), out)  # the float64 loop's bits are other bits
+    loop = moe_experts_loop(x, w13, w2, w, ids)
+    assert not torch.equal(loop, out)  # the float64 loop's bits are other bits than the bf16 kernels'
+
+    # exact: float64 grouped kernels give the loop's bits (alone and batched), also with the weight on the input
+    ex = moe_experts_triton(x, w13, w2, w, ids, exact=True)
+    assert torch.equal(ex, loop)
+    assert torch.equal(moe_experts_triton(x[5:6], w13, w2, w[5:6], ids[5:6], exact=True), loop[5:6])
+    assert torch.equal(moe_experts_triton(x, w13, w2, w1, ids1, True, exact=True),
+                       moe_experts_loop(x, w13, w2, w1, ids1, True))
     print("ok")
 """)
 
@@ -90,11 +98,20 @@ def test_backend_choice(monkeypatch):
 
     monkeypatch.delenv(MOE_ENV, raising=False)
     assert moe_backend("cpu") == "loop" and moe_backend("cuda") == "loop"
-    monkeypatch.setenv(MOE_ENV, "triton")
-    assert moe_backend("cuda") == "triton"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        moe_backend("cpu")
+    for mode in ("exact", "triton"):
+        monkeypatch.setenv(MOE_ENV, mode)
+        assert moe_backend("cuda") == mode
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            moe_backend("cpu")
     monkeypatch.setenv(MOE_ENV, "fused")
-    with pytest.raises(ValueError, match="loop .* or triton"):
+    with pytest.raises(ValueError, match="loop .* exact .* or triton"):
         moe_backend("cuda")
+
+
+def test_which_modes_give_the_same_bits():
+    from vllm_bi.ops.moe_triton import moe_arithmetic
+
+    assert moe_arithmetic("loop", "fp64") == moe_arithmetic("exact", "fp64") == moe_arithmetic("exact", "triton")
+    others = {moe_arithmetic("loop", "fp64"), moe_arithmetic("loop", "triton"), moe_arithmetic("triton", "fp64")}
+    assert len(others) == 3

@@ -10,7 +10,7 @@ its bits are the same; padded rows read and write vLLM's null slot and block.
 
 Refused where a decode step still reads the host: the chunk GDN mode (its partial blocks), the torch attention
 op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers on the default loop path (experts grouped on
-the host; ``VLLM_BI_MOE=triton`` groups them on the device), and vLLM's
+the host; ``VLLM_BI_MOE=exact`` or ``triton`` groups them on the device), and vLLM's
 own kernels (``VLLM_BI_CUDA_OPS=vllm``). On the H200 the trainer reproduced such a server's every token (768/768
 on qwen3.5, 512/512 at 9b-dims; session 8, after the RoPE table's per-call host copy was removed); ``vllm-bi
 parity`` names the server's CUDA-graph mode.
@@ -52,6 +52,6 @@ def graph_blockers(has_moe: bool) -> list[str]:
     if has_moe:
         from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
 
-        if moe_backend("cuda") != "triton":
-            why.append(f"MoE layers with {MOE_ENV}={moe_backend('cuda')} (experts grouped on the host; use triton)")
+        if moe_backend("cuda") == "loop":
+            why.append(f"MoE layers with {MOE_ENV}=loop (experts grouped on the host; use exact or triton)")
     return why

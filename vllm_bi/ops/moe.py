@@ -9,9 +9,10 @@ Experts: every (token, expert) pair is ``down(silu_mul(gate_up(x)))`` through
 :func:`bi_linear`, whose result for a row does not depend on which other rows
 share the GEMM; the k expert outputs of a token are summed in fp32 in the
 order of its top-k list, then rounded once. ``VLLM_BI_MOE`` picks how:
-``loop`` (default) over the routed experts on the host, exact float64 products
-(:func:`moe_experts_loop`); ``triton``, grouped tensor-core kernels with no host
-read (:mod:`vllm_bi.ops.moe_triton`; other bits, so server and trainer agree on it).
+``loop`` (default) over the routed experts on the host, products by ``bi_linear``
+(:func:`moe_experts_loop`); ``exact``, grouped float64 kernels with no host read and
+the loop's bits under the float64 GEMM; ``triton``, grouped tensor-core kernels with no
+host read and other bits (:mod:`vllm_bi.ops.moe_triton`).
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ def moe_experts(
     ``VLLM_BI_MOE`` picks (module doc). ``sum_partials``: tensor parallelism, the loop path only."""
     from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend, moe_experts_triton
 
-    if moe_backend(x.device) == "triton":
+    mode = moe_backend(x.device)
+    if mode != "loop":
         if sum_partials is not None:
-            raise NotImplementedError(f"vllm_bi: {MOE_ENV}=triton with tensor parallelism: use {MOE_ENV}=loop")
-        return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input)
+            raise NotImplementedError(f"vllm_bi: {MOE_ENV}={mode} with tensor parallelism: use {MOE_ENV}=loop")
+        return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, mode == "exact")
     return moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, sum_partials)
 
 

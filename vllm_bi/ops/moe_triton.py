@@ -1,4 +1,4 @@
-"""MoE experts as grouped Triton GEMMs, batch-invariant and without a host read (``VLLM_BI_MOE=triton``).
+"""MoE experts as grouped Triton GEMMs, batch-invariant and without a host read (``VLLM_BI_MOE=exact|triton``).
 
 The default experts path (:func:`vllm_bi.ops.moe.moe_experts`, ``VLLM_BI_MOE=loop``) loops over the experts a
 step routes to on the host: a read of the routing per layer and a ``nonzero`` per expert, each one a stream
@@ -9,14 +9,21 @@ upper bound of blocks (empty blocks do nothing). No value goes to the host, so a
 a CUDA graph.
 
 Why a pair's bits do not depend on the batch: a pair's output row is ``x_row @ W_e^T`` computed by one program
-that accumulates ``tl.dot`` over ``K`` in ``BLOCK_K`` steps in a fixed order, in fp32; the other rows of its block
-(other tokens routed to the same expert, or masked padding) are other rows of the same matrix product and do not
-enter its sums. The block sizes, warps and stages below are module constants: part of the arithmetic, the same
-in the server and the trainer. The two projections run on bf16 tensor cores (fp32 accumulation, one rounding to
-the activation dtype), so the bits differ from the float64 loop's: server and trainer must pick the same mode
-(``vllm_bi_info`` reports it, the trainer refuses a mismatch). The combination is the loop path's: ``silu_mul``
-between the projections, each expert output rounded to the activation dtype, scaled by its routing weight in fp32,
-the top-k outputs summed in the order of the token's top-k list and rounded once.
+that accumulates ``tl.dot`` over ``K`` in ``BLOCK_K`` steps in a fixed order; the other rows of its block (other
+tokens routed to the same expert, or masked padding) are other rows of the same matrix product and do not enter
+its sums. The block sizes, warps and stages below are module constants: part of the arithmetic, the same in the
+server and the trainer. Two arithmetics:
+
+* ``exact``: products and sums in float64, exact for bf16 operands (as :func:`vllm_bi.ops.linear.bi_linear`'s
+  float64 GEMM), then rounded by torch as the loop path rounds. The bits are the float64 loop path's, so a server
+  on one and a trainer on the other agree; only the host reads are gone.
+* ``triton``: bf16 tensor cores with fp32 accumulation, one rounding to the activation dtype: faster at large
+  batches, other bits than the loop's, so server and trainer must both use it (``vllm_bi_info`` reports the mode,
+  the trainer refuses a mismatch).
+
+The combination is the loop path's: ``silu_mul`` between the projections, each expert output rounded to the
+activation dtype, scaled by its routing weight in fp32, the top-k outputs summed in the order of the token's top-k
+list and rounded once.
 
 Backward (the trainer): the loop path's autograd, recomputed (gradients need accuracy, not the forward's bits).
 On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products: the interpreter's bf16
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MOE_ENV", "moe_backend", "moe_experts_triton", "grouped_linear", "pair_layout"]
+__all__ = ["MOE_ENV", "moe_arithmetic", "moe_backend", "moe_experts_triton", "grouped_linear", "pair_layout"]
 
 MOE_ENV = "VLLM_BI_MOE"
 # part of the arithmetic: changing any of these changes bits (server and trainer must agree)
@@ -42,14 +49,23 @@ _KERNEL = None
 
 
 def moe_backend(device: torch.device | str) -> str:
-    """``"loop"`` (default: the exact float64 loop over experts) or ``"triton"`` (grouped kernels, no host read) for
-    tensors on ``device``, from ``VLLM_BI_MOE``."""
+    """``VLLM_BI_MOE`` for tensors on ``device``: ``"loop"`` (default: a host loop over the routed experts, products
+    by ``bi_linear``), ``"exact"`` (grouped float64 kernels, no host read: the loop's bits under the default float64
+    GEMM) or ``"triton"`` (grouped bf16 kernels, no host read, other bits)."""
     from vllm_bi.ops._choice import check_triton_device, env_choice
 
-    choice = env_choice(MOE_ENV, "loop", ("loop", "triton"),
-                        "loop (exact float64, the default) or triton (grouped kernels)")
-    check_triton_device(MOE_ENV, choice, torch.device(device).type)
+    choice = env_choice(MOE_ENV, "loop", ("loop", "exact", "triton"),
+                        "loop (the default), exact (grouped float64 kernels) or triton (grouped bf16 kernels)")
+    check_triton_device(MOE_ENV, "triton" if choice == "exact" else choice, torch.device(device).type)
     return choice
+
+
+def moe_arithmetic(mode: str, gemm: str) -> str:
+    """What decides a MoE layer's bits: ``"float64"`` for the exact grouped kernels and for the loop under the
+    float64 GEMM (the same bits), else the mode and GEMM mode. A server and a trainer must agree on it."""
+    if mode == "exact" or (mode == "loop" and gemm == "fp64"):
+        return "float64"
+    return mode if mode == "triton" else f"loop with the {gemm} GEMM"
 
 
 def _kernel():
@@ -61,7 +77,7 @@ def _kernel():
         @triton.jit
         def grouped_linear_kernel(x_ptr, w_ptr, y_ptr, rows_ptr, blk_e_ptr, blk_s_ptr, blk_c_ptr, N, K,
                                   sx, swe, swn, swk, sy, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  DOT_F32: tl.constexpr):
+                                  EXACT: tl.constexpr, DOT_F32: tl.constexpr):
             b = tl.program_id(0)
             count = tl.load(blk_c_ptr + b)
             if count > 0:
@@ -73,14 +89,19 @@ def _kernel():
                 n = tl.program_id(1) * BN + tl.arange(0, BN)
                 mn = n < N
                 kk = tl.arange(0, BK)
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
+                if EXACT:
+                    acc = tl.zeros((BM, BN), dtype=tl.float64)
+                else:
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
                 for k0 in range(0, K, BK):
                     mk = (k0 + kk) < K
                     a = tl.load(x_ptr + src[:, None] * sx + (k0 + kk)[None, :], mask=mm[:, None] & mk[None, :],
                                 other=0.0)
                     bt = tl.load(w_ptr + e * swe + n[None, :] * swn + (k0 + kk)[:, None] * swk,
                                  mask=mk[:, None] & mn[None, :], other=0.0)
-                    if DOT_F32:
+                    if EXACT:  # bf16 products and their sums are exact in float64
+                        acc = tl.dot(a.to(tl.float64), bt.to(tl.float64), acc)
+                    elif DOT_F32:
                         acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc)
                     else:
                         acc = tl.dot(a, bt, acc)
@@ -114,9 +135,12 @@ def pair_layout(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torc
 
 
 def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, exact: bool = False) -> torch.Tensor:
     """``y[s] = x[rows[s]] @ w[e(s)]^T`` for every sorted position ``s`` of ``layout`` (:func:`pair_layout`):
-    ``x [R, K]``, ``rows [P]``, ``w [E, N, K]`` -> ``y [P, N]`` in ``out_dtype``. No autograd."""
+    ``x [R, K]``, ``rows [P]``, ``w [E, N, K]`` -> ``y [P, N]`` in ``out_dtype`` (``exact``: accumulated in float64
+    and returned in float64). No autograd."""
+    if exact:
+        out_dtype = torch.float64
     _, blk_e, blk_s, blk_c = layout
     P, (N, K) = rows.numel(), w.shape[1:]
     if x.shape[-1] != K or x.stride(-1) != 1 or w.stride(-1) != 1:
@@ -127,11 +151,11 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
 
         _kernel()[(blk_e.numel(), triton.cdiv(N, BLOCK_N))](
             x, w, y, rows, blk_e, blk_s, blk_c, N, K, x.stride(0), *w.stride(), y.stride(0), BM=BLOCK_M, BN=BLOCK_N,
-            BK=BLOCK_K, DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            BK=BLOCK_K, EXACT=exact, DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
 
 
-def _forward(x, w13, w2, topk_weights, topk_ids, on_input):
+def _forward(x, w13, w2, topk_weights, topk_ids, on_input, exact):
     from vllm_bi.ops.activation import silu_mul
     from vllm_bi.ops.moe import combine_topk
 
@@ -146,20 +170,21 @@ def _forward(x, w13, w2, topk_weights, topk_ids, on_input):
         xin, rows = (x[order // k].float() * topk_weights.reshape(-1)[order].float()[:, None]).to(x.dtype), pos
     else:
         xin, rows = x, order // k
-    h = silu_mul(grouped_linear(xin.contiguous(), rows, w13, layout, x.dtype))
-    y_sorted = grouped_linear(h.contiguous(), pos, w2, layout, x.dtype)
+    # exact: float64 results rounded by torch, as the loop path's float64 GEMMs are
+    h = silu_mul(grouped_linear(xin.contiguous(), rows, w13, layout, x.dtype, exact).to(x.dtype))
+    y_sorted = grouped_linear(h.contiguous(), pos, w2, layout, x.dtype, exact)
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted
-    return combine_topk(y.view(T, k, H), topk_weights, on_input)
+    return combine_topk(y.view(T, k, H).to(x.dtype), topk_weights, on_input)
 
 
 class _TritonExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w13, w2, topk_weights, topk_ids, on_input):
+    def forward(ctx, x, w13, w2, topk_weights, topk_ids, on_input, exact):
         ctx.save_for_backward(x, w13, w2, topk_weights, topk_ids)
         ctx.on_input = on_input
         with torch.no_grad():
-            return _forward(x, w13, w2, topk_weights, topk_ids, on_input)
+            return _forward(x, w13, w2, topk_weights, topk_ids, on_input, exact)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -172,12 +197,13 @@ class _TritonExperts(torch.autograd.Function):
             out = moe_experts_loop(*leaves[:3], leaves[3], ids, ctx.on_input)
             wanted = [t for t, n in zip(leaves, need) if n]
             got = iter(torch.autograd.grad(out, wanted, grad_out)) if wanted else iter(())
-        return (*(next(got) if n else None for n in need), None, None)
+        return (*(next(got) if n else None for n in need), None, None, None)
 
 
-def moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input: bool = False):
-    """:func:`vllm_bi.ops.moe.moe_experts` by grouped kernels (module doc); differentiable."""
+def moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input: bool = False,
+                       exact: bool = False):
+    """:func:`vllm_bi.ops.moe.moe_experts` by grouped kernels (module doc; ``exact``: float64); differentiable."""
     T = topk_ids.shape[0]
     if T == 0:
         return torch.zeros((0, w2.shape[1]), dtype=x.dtype, device=x.device)
-    return _TritonExperts.apply(x, w13, w2, topk_weights, topk_ids, bool(apply_router_weight_on_input))
+    return _TritonExperts.apply(x, w13, w2, topk_weights, topk_ids, bool(apply_router_weight_on_input), bool(exact))
