@@ -61,15 +61,8 @@ def moe_experts(
     return moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, sum_partials)
 
 
-def moe_experts_loop(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    apply_router_weight_on_input: bool = False,
-    sum_partials=None,
-) -> torch.Tensor:
+def moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input: bool = False,
+                     sum_partials=None) -> torch.Tensor:
     """:func:`moe_experts` by a host loop over the routed experts.
 
     Each expert's down projection is an exact float64 sum rounded once to ``x.dtype`` (as ``bi_linear``).
