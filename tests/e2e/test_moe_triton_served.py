@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from vllm_bi.testing.server import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 
@@ -16,12 +15,10 @@ MOE_ENV = {"VLLM_BI_MOE": "triton", "TRITON_INTERPRET": "1"}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path):
+def server(bi_server):
     pytest.importorskip("triton")
-    model = tiny_model_path("qwen3.5-moe")
-    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
-                    env=cpu_env(True, dict(MOE_ENV, VLLM_SERVER_DEV_MODE="1"))) as srv:
-        yield model, srv.url
+    with bi_server("qwen3.5-moe", MOE_ENV) as srv:
+        yield srv.model, srv.url
 
 
 def test_trainer_equals_server_with_the_grouped_moe_kernels(server, parity_cli):
@@ -42,12 +39,10 @@ def test_a_trainer_on_the_loop_path_is_refused(server, parity_cli):
     assert "VLLM_BI_MOE" in r.stderr and "triton" in r.stderr
 
 
-def test_a_server_on_the_exact_kernels_gives_the_loop_paths_bits(tiny_model_path, parity_cli):
-    model = tiny_model_path("qwen3.5-moe")
-    env = {"VLLM_BI_MOE": "exact", "TRITON_INTERPRET": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
-                    env=cpu_env(True, env)) as srv:
-        r = parity_cli("--model", model, "--server", srv.url, "--n", "2", "--max-tokens", "8", "--json",
+def test_a_server_on_the_exact_kernels_gives_the_loop_paths_bits(bi_server, parity_cli):
+    pytest.importorskip("triton")
+    with bi_server("qwen3.5-moe", {"VLLM_BI_MOE": "exact", "TRITON_INTERPRET": "1"}) as srv:
+        r = parity_cli("--model", srv.model, "--server", srv.url, "--n", "2", "--max-tokens", "8", "--json",
                        env={"VLLM_BI_MOE": "loop"})
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])

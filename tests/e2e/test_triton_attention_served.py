@@ -7,21 +7,17 @@ import json
 
 import pytest
 
-from vllm_bi.testing.server import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 
 TRITON_ENV = {"VLLM_BI_ATTENTION": "triton", "TRITON_INTERPRET": "1"}
-DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}  # the settings check reads vllm_bi_info over /collective_rpc
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path):
+def server(bi_server):
     pytest.importorskip("triton")
-    model = tiny_model_path("qwen3.5")
-    with VllmServer(model, args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
-                    env=cpu_env(True, dict(TRITON_ENV, **DEV_MODE))) as srv:
-        yield model, srv.url
+    with bi_server("qwen3.5", TRITON_ENV) as srv:
+        yield srv.model, srv.url
 
 
 def test_trainer_equals_server_with_the_triton_attention(server, parity_cli):
