@@ -99,8 +99,9 @@ def _kernel():
                                 other=0.0)
                     bt = tl.load(w_ptr + e * swe + n[None, :] * swn + (k0 + kk)[:, None] * swk,
                                  mask=mk[:, None] & mn[None, :], other=0.0)
-                    if EXACT:  # bf16 products and their sums are exact in float64
-                        acc = tl.dot(a.to(tl.float64), bt.to(tl.float64), acc)
+                    if EXACT:  # bf16 products are exact in float64 (the loop path's float64 GEMM's arithmetic)
+                        # out_dtype: Triton compiles a float64 accumulator only when told (session 9 on the H200)
+                        acc = tl.dot(a.to(tl.float64), bt.to(tl.float64), acc, out_dtype=tl.float64)
                     elif DOT_F32:
                         acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc)
                     else:
