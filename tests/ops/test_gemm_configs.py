@@ -4,6 +4,7 @@ M bucket, and named by a digest that the trainer compares with the server's. Spe
 ``benchmarks/bi_gemm_tune.py`` and ``tests/gpu/test_ops_cuda.py``."""
 
 import json
+import os
 
 import pytest
 
@@ -149,3 +150,22 @@ def test_a_table_mixing_block_k_for_one_k_is_refused(tmp_path):
     doc["shapes"]["4096x4096"] = {"block_k": 128, "m_buckets": [[1, 16, 64, 4, 3]]}
     with pytest.raises(ValueError, match="same K must share one block_k"):
         G.load_table(write(tmp_path, doc))
+
+
+def test_a_shipped_table_is_named_and_checked(monkeypatch):
+    """``VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b`` names the table tuned on the H200 in session 9 (shipped in the
+    package): it passes the file checks (one BLOCK_K per K, increasing buckets) and covers Qwen3.5-9B's six linear
+    shapes; its digest is its file's. An unknown name is refused with the names there are."""
+    assert "h200-qwen3.5-9b" in G.builtin_tables()
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, "h200-qwen3.5-9b")
+    path = G._path()
+    assert path == os.path.join(G.BUILTIN_DIR, "h200-qwen3.5-9b.json") and os.path.isfile(path)
+    arch, shapes = G.load_table(path)
+    assert arch == "hopper"
+    assert set(shapes) == {(10240, 4096), (4096, 4096), (12288, 4096), (64, 4096), (24576, 4096), (4096, 12288)}
+    digest = G.table_digest()
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, path)
+    assert G.table_digest() == digest
+    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, "a100-nothing")
+    with pytest.raises(ValueError, match=r"neither a table file .*\(h200-qwen3.5-9b\)"):
+        G.table_digest()

@@ -12,7 +12,9 @@ leaves most of a GPU idle at small ``M`` and is 1.4-4.6x cuBLAS at Qwen3.5-9B's 
     {"format": 1, "arch": "hopper", "device": "...", "command": "...",
      "shapes": {"12288x4096": {"block_k": 64, "m_buckets": [[1, 16, 128, 8, 3], [4, ...], ...]}}}
 
-where ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
+or names a table shipped with vllm_bi (``vllm_bi/ops/gemm_tiles/<name>.json``): ``h200-qwen3.5-9b`` holds Qwen3.5-9B's
+six linear shapes tuned on an H200 (session 9: 1.0-2.0x cuBLAS, rows equal in every batch size checked,
+``docs/results/2026-11-30-h200-session9.md``). In the file, ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
 bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward too: server and
 trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer refuses a
 server whose digest differs.
@@ -31,16 +33,33 @@ import hashlib
 import json
 import os
 
-__all__ = ["GEMM_CONFIGS_ENV", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest"]
+__all__ = ["GEMM_CONFIGS_ENV", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest"]
 
 GEMM_CONFIGS_ENV = "VLLM_BI_GEMM_CONFIGS"
 _installed: dict[str, str] = {}  # path -> digest of the table installed in this process
 _user_shapes: set[tuple[int, int]] = set()  # (N, K) of the installed table file
 _reference: dict | None = None  # K -> the shape config every (N, K) product uses, for the current device table
+BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_tiles")
+
+
+def builtin_tables() -> list[str]:
+    """Names of the tables shipped with vllm_bi (``VLLM_BI_GEMM_CONFIGS=<name>``)."""
+    try:
+        return sorted(f[:-5] for f in os.listdir(BUILTIN_DIR) if f.endswith(".json"))
+    except OSError:
+        return []
 
 
 def _path() -> str | None:
-    return os.environ.get(GEMM_CONFIGS_ENV, "").strip() or None
+    value = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
+    if not value:
+        return None
+    if os.sep in value or value.endswith(".json") or os.path.exists(value):
+        return value
+    if value in builtin_tables():
+        return os.path.join(BUILTIN_DIR, value + ".json")
+    raise ValueError(f"{GEMM_CONFIGS_ENV}={value}: neither a table file (a path, *.json) nor a table shipped with "
+                     f"vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
 
 def table_digest() -> str:

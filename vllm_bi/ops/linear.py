@@ -11,8 +11,8 @@ sums are within one float64 ulp of exact, and the single rounding to fp32
 hides that except on an exact rounding tie.)
 
 On CUDA the float64 GEMM costs 12-13x cuBLAS bf16 at large M (the H200's fp64/bf16 tensor throughput
-ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (experimental, CUDA, not yet
-measured) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
+ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (experimental, CUDA; 1.0-2.0x
+cuBLAS at Qwen3.5-9B's shapes with the H200 tiles shipped as ``VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b``) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
 (fixed tiles, no split-K, one shape-wide BLOCK_K: a row's bits cannot depend on M). Server and trainer then
 share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``vllm-bi parity`` checks it).
 Its tiles per weight shape and batch-size bucket can be tuned (``VLLM_BI_GEMM_CONFIGS``, :mod:`.gemm_configs`).
