@@ -16,10 +16,12 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
     pinned configs), explicit fp32 states;
   - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: the packed conv +
     gating + the recurrence), states passed in ``[N, HV, V, K]`` memory (one transposing copy for fla-core);
-  - recurrent / chunk server: ``gdn.bi_gdn_core``, the server's glue around that core for one layer and
-    one step: states and conv states gathered from cache slots and stored back (the chunk mode: the partial
-    block assembled from the conv history). Stock's vLLM kernels read and write the cache in place, which
-    the stock column (states passed directly) matches;
+  - recurrent / chunk / hybrid server: ``gdn.bi_gdn_core``, the server's glue around that core for one layer
+    and one step: states and conv states gathered from cache slots and stored back (the chunk mode: the
+    partial block assembled from the conv history; the hybrid mode: prefill rows are whole prompts, chunked up
+    to their last boundary, and decodes are generated tokens, the recurrence from each slot's full state).
+    Stock's vLLM kernels read and write the cache in place, which the stock column (states passed directly)
+    matches;
   - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
     ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
@@ -158,7 +160,7 @@ def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
     N, T = len(shape.lens), sum(shape.lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(shape.lens, dev)
     dim_first = is_conv_state_dim_first()
-    rows, width = (CHUNK - 1 + W - 1, D + 2 * HV) if mode == "chunk" else (W - 1, D)
+    rows, width = (CHUNK - 1 + W - 1, D + 2 * HV) if mode in ("chunk", "hybrid") else (W - 1, D)
     conv = torch.randn(2 * N, *((width, rows) if dim_first else (rows, width)), device=dev).bfloat16()
     ssm = torch.randn(2 * N, HV, V, K, device=dev) * 0.1
     layer = types.SimpleNamespace(
@@ -173,7 +175,9 @@ def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
         non_spec_state_indices_tensor=torch.randperm(2 * N)[:N].to(dev),
         num_decodes=N if shape.decode else 0, num_prefills=0 if shape.decode else N,
         num_decode_tokens=N if shape.decode else 0, has_initial_state=torch.tensor([shape.decode] * N, device=dev),
-        vllm_bi_num_computed=torch.tensor(computed, device=dev))
+        vllm_bi_num_computed=torch.tensor(computed, device=dev),
+        # hybrid mode: decodes are generated tokens (past the prompt's last boundary), prefills whole prompts
+        vllm_bi_prompt_lens=[4 * CHUNK] * N if shape.decode else list(shape.lens))
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
     with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
         return timed(lambda: G.bi_gdn_core(layer, mixed, b, a, out), reps)
@@ -265,15 +269,16 @@ def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> Non
     # stock first: the chunk mode pins fla-core's kernels process-wide, which would change the stock runs
     stock = {sh.label: time_stock_forward(sh, dev, reps) for sh in shapes}
     rep.add("| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
-            "chunk core | ratio | recurrent server | ratio | chunk server | ratio |",
-            "| --- |" + " ---: |" * 13)
+            "chunk core | ratio | recurrent server | ratio | chunk server | ratio | hybrid server | ratio |",
+            "| --- |" + " ---: |" * 15)
     tuned = _autotuned()
     for sh in shapes:
         rk, rc = time_bi_forward(sh, "recurrent", dev, reps)
         ck, cc = time_bi_forward(sh, "chunk", dev, reps)
         rs, cs = time_server_core(sh, "recurrent", dev, reps), time_server_core(sh, "chunk", dev, reps)
+        hs = time_server_core(sh, "hybrid", dev, reps)
         s = stock[sh.label]
-        rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, rs, cs))
+        rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, rs, cs, hs))
                 + " |")
     _configs(rep, tuned)
 

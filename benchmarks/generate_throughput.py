@@ -1,7 +1,7 @@
 """Benchmark: end-to-end generator throughput through a real ``vllm serve`` (OpenAI HTTP), batch-invariant vs
 stock, on a random-weight GDN hybrid (default: Qwen3.5-9B layer dimensions, 4 layers, built locally).
 
-    python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,chunk-triton]
+    python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,hybrid,chunk-triton]
         [--requests 64] [--prompt-len 256] [--max-tokens 128] [--layers N] [--out results.md]
 
 For each mode one server is started, warmed up with both phases' shapes (unmeasured), then measured in two
@@ -13,8 +13,8 @@ phases, each with ``--requests`` concurrent requests of distinct random prompts 
 
 Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock-eager`` (the same with
 ``--enforce-eager``: BI mode runs eagerly, so this separates the CUDA-graph share of the gap),
-``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin and that ``VLLM_BI_GDN_MODE``) and
-``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). Every other ``VLLM_BI_*`` setting
+``recurrent`` / ``chunk`` / ``hybrid`` (VLLM_BATCH_INVARIANT=1 with the plugin and that ``VLLM_BI_GDN_MODE``) and
+``recurrent-triton`` / ``chunk-triton`` / ``hybrid-triton`` (the same with ``VLLM_BI_GEMM=triton``). Every other ``VLLM_BI_*`` setting
 (``VLLM_BI_GEMM``, ``VLLM_BI_GEMM_CONFIGS``, ``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE``, ``VLLM_BI_CUDA_GRAPHS``) passes
 from the environment to the BI modes, and the table's header names each; a mode that would contradict the
 environment (``VLLM_BI_GEMM=fp64`` set with ``--modes chunk-triton``) is refused before any server starts. Each
@@ -41,8 +41,10 @@ MODES = {  # name -> (batch invariant, extra environment, extra server args)
     "stock-eager": (False, {}, ["--enforce-eager"]),
     "recurrent": (True, {"VLLM_BI_GDN_MODE": "recurrent"}, []),
     "chunk": (True, {"VLLM_BI_GDN_MODE": "chunk"}, []),
+    "hybrid": (True, {"VLLM_BI_GDN_MODE": "hybrid"}, []),
     "recurrent-triton": (True, {"VLLM_BI_GDN_MODE": "recurrent", "VLLM_BI_GEMM": "triton"}, []),
     "chunk-triton": (True, {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_GEMM": "triton"}, []),
+    "hybrid-triton": (True, {"VLLM_BI_GDN_MODE": "hybrid", "VLLM_BI_GEMM": "triton"}, []),
 }
 SETTINGS = ("VLLM_BI_GEMM", "VLLM_BI_GEMM_CONFIGS", "VLLM_BI_ATTENTION", "VLLM_BI_MOE", "VLLM_BI_CUDA_GRAPHS")
 

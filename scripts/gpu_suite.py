@@ -109,6 +109,17 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                           prompts=long_prompts(models)),
                   Job("trainer 1 GPU chunk mode qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "chunk"})],
+        # the hybrid GDN mode: prompts' whole blocks chunked, the rest recurrent (long prompts split by the batch
+        # budget, 80 decodes), and an RL trainer through it (its backward crosses the switch)
+        "hybrid": [_parity("parity hybrid mode qwen3.5", m["qwen3.5"], gdn="hybrid", max_tokens=80,
+                           prompts=long_prompts(models)),
+                   _parity("parity hybrid mode qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid", max_tokens=80,
+                           prompts=long_prompts(models)),
+                   _parity("parity hybrid mode qwen3.5-moe", m["qwen3.5-moe"], gdn="hybrid", max_tokens=80,
+                           prompts=long_prompts(models)),
+                   Job("trainer 1 GPU hybrid mode qwen3.5", "trainer", [sys.executable, *trainer, "--model",
+                                                                      m["qwen3.5"]],
+                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid"})],
         # the experimental Triton-persistent GEMM mode (VLLM_BI_GEMM=triton), with and without the chunk mode
         "gemm-triton": [_parity("parity own-ops triton GEMM qwen3.5", m["qwen3.5"], gemm="triton"),
                         _parity("parity own-ops triton GEMM qwen3.5 9b-dims", m["qwen3.5-9b"], gemm="triton",

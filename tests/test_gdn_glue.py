@@ -143,6 +143,69 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
         assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
 
 
+@pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_hybrid_glue_gives_the_trainers_bits(dim_first, kv_layout):
+    """Hybrid mode: three requests (prompts of 140, 70 and 20 tokens: switch points 128, 64 and 0) over five
+    scheduler steps: a prefill crossing its switch point, a step of one-token chunks that vLLM counts as decodes
+    though one of them is a prompt token before its switch point (it must run in the chunk arithmetic, so the
+    recurrent mode's decode shortcut must not take it), a new short prompt alone (all recurrent, from zeros),
+    and steps where every request is past its switch point (the recurrent path on the widened conv slots).
+    Outputs equal the trainer's call, ``gdn_varlen(mode="hybrid")`` over the whole sequences."""
+    from vllm_bi.attention.gdn_chunk import CHUNK, hybrid_chunk_rows
+    from vllm_bi.attention.gdn_recurrent import gdn_varlen
+
+    R = CHUNK - 1 + W - 1
+    total, prompts = [150, 71, 30], [140, 70, 20]
+    steps = [[40, 70, 0], [1, 1, 0], [0, 0, 20], [99, 0, 5], [10, 0, 5]]
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(n, D, generator=gen).bfloat16() for n in total]
+    as_ = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
+    bs = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
+    layer = mk(dim_first)
+    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
+    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))  # garbage: new requests must ignore it
+    slot, done, outs, paths = [4, 0, 2], [0, 0, 0], [[], [], []], []
+    real_recurrent = G._hybrid_recurrent
+
+    def recurrent(*args):
+        paths[-1] = "recurrent"
+        return real_recurrent(*args)
+
+    for step in steps:
+        paths.append("chunk")
+        dec = [i for i in range(3) if step[i] == 1 and done[i]]  # vLLM: one-token chunks of running requests
+        reqs = dec + [i for i in range(3) if step[i] and i not in dec]
+        qsl = [0]
+        for i in reqs:
+            qsl.append(qsl[-1] + step[i])
+        step_md = types.SimpleNamespace(
+            num_actual_tokens=qsl[-1], num_spec_decodes=0, spec_sequence_masks=None,
+            non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
+            num_decodes=len(dec), num_decode_tokens=len(dec), num_prefills=len(reqs) - len(dec),
+            has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
+            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]), vllm_bi_prompt_lens=[prompts[i] for i in reqs])
+        cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
+        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
+        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
+                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="hybrid"), \
+                mock.patch.object(G, "_kv_layout", return_value=kv_layout), mock.patch.object(G, "_hybrid_recurrent", recurrent):
+            G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
+        for j, i in enumerate(reqs):
+            outs[i].append(o[qsl[j] : qsl[j + 1]])
+            done[i] += step[i]
+    assert done == total
+    assert paths == ["chunk", "chunk", "recurrent", "chunk", "recurrent"]
+    cu = [0, *torch.tensor(total).cumsum(0).tolist()]
+    w = layer.conv1d.weight.reshape(D, W)
+    ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(3)], w,
+                           torch.zeros(3, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
+                           layer.dt_bias, torch.zeros(3, HV, V, K), H, K, V, mode="hybrid",
+                           chunk_rows=[hybrid_chunk_rows(p, 0, n) for p, n in zip(prompts, total)])
+    for i in range(3):
+        assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
+
+
 @pytest.mark.parametrize("kv_layout", [False, True])
 def test_gather_slots_copies_values_and_zeroes_new_requests(kv_layout):
     """The state gather of the server glue: ``cache[slots]`` with new requests' rows zeroed, from slots in the

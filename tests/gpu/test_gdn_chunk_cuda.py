@@ -106,3 +106,34 @@ def test_matches_float64_reference_and_gradients():
         assert rel <= 3e-2, f"d/d{name}: relative error {rel:.3e}"
     rel = ((s0d.grad.double().cpu() - s064.grad).norm() / s064.grad.norm()).item()
     assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
+
+
+def _hybrid(prompt_len, start=0):
+    """``fn`` for :func:`gdn_run`: the hybrid arithmetic for sequences whose rows start at absolute ``start``."""
+    from vllm_bi.attention.gdn_chunk import gdn_hybrid_varlen, hybrid_chunk_rows
+
+    def fn(q, k, v, g, beta, states, cu):
+        rows = [hybrid_chunk_rows(prompt_len, start, cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
+        return gdn_hybrid_varlen(q, k, v, g, beta, states, cu, rows)
+
+    return fn
+
+
+def test_hybrid_server_steps_equal_the_trainer_call():
+    """VLLM_BI_GDN_MODE=hybrid on CUDA (fla-core's chunked launch up to the prompt's last boundary, its fused
+    recurrent launch after): a 150-token prompt (switch at 128) and 50 decodes, served in steps (resumed at a
+    boundary, the switch inside a step, one-token decodes from the full state) == the trainer's one call;
+    the same bits packed with other sequences."""
+    P, L = 150, 200
+    s = _seq(L, 21)
+    whole, final, _ = gdn_run(_hybrid(P), [s])
+    o1, st, _ = gdn_run(_hybrid(P), [_rows(s, 0, 100)])
+    assert torch.equal(o1, whole[:100])
+    o2, st, _ = gdn_run(_hybrid(P, 64), [_rows(s, 64, P)], states=st)
+    assert torch.equal(o2[100 - 64 :], whole[100:P])
+    for t in range(P, L):
+        o_t, st, _ = gdn_run(_hybrid(P, t), [_rows(s, t, t + 1)], states=st)
+        assert torch.equal(o_t, whole[t : t + 1]), f"decode at {t}"
+    assert torch.equal(st, final)
+    packed, _, cu = gdn_run(_hybrid(P), [_seq(90, 22), s, _seq(150, 23)])
+    assert torch.equal(packed[cu[1] : cu[2]], whole)

@@ -48,20 +48,25 @@ from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["CHUNK", "GDN_MODE_ENV", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "pin_fla_chunk_configs"]
+__all__ = ["CHUNK", "GDN_MODE_ENV", "GDN_MODES", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "gdn_hybrid_varlen",
+           "hybrid_chunk_rows", "pin_fla_chunk_configs"]
 
 CHUNK = 64
 GDN_MODE_ENV = "VLLM_BI_GDN_MODE"
 
 
+GDN_MODES = ("recurrent", "chunk", "hybrid")
+
+
 def gdn_mode() -> str:
-    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default) or ``chunk``. The server and the trainer must run the
-    same mode; both read it from here."""
+    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default), ``chunk`` or ``hybrid`` (a prompt's whole blocks in the
+    chunk arithmetic, the rest in the recurrence: :func:`gdn_hybrid_varlen`). The server and the trainer must
+    run the same mode; both read it from here."""
     import os
 
     mode = os.environ.get(GDN_MODE_ENV, "recurrent").strip().lower() or "recurrent"
-    if mode not in ("recurrent", "chunk"):
-        raise ValueError(f"{GDN_MODE_ENV}={mode!r}: choose 'recurrent' (default) or 'chunk'")
+    if mode not in GDN_MODES:
+        raise ValueError(f"{GDN_MODE_ENV}={mode!r}: choose 'recurrent' (default), 'chunk' or 'hybrid'")
     return mode
 
 
@@ -227,6 +232,75 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
     if o is None:
         o = torch.zeros((1, *v.shape), dtype=v.dtype, device=dev)
     return o[0], bound.transpose(-1, -2)
+
+
+def hybrid_chunk_rows(prompt_len: int, start: int = 0, rows: int | None = None) -> int:
+    """The hybrid arithmetic's split (``gdn_hybrid_varlen``): a token at absolute position ``p`` runs in the chunk
+    arithmetic iff ``p < B = CHUNK * (prompt_len // CHUNK)``, the prompt's last block boundary; the prompt's tail
+    and every generated token run the recurrence from the exact fp32 state at ``B``. Returns how many of the
+    ``rows`` rows (default: all) from absolute position ``start`` (a block boundary, or ``B`` and beyond) are
+    chunk rows."""
+    n = max(0, CHUNK * (prompt_len // CHUNK) - start)
+    return n if rows is None else min(n, rows)
+
+
+def gdn_hybrid_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    cu_seqlens: list[int],
+    chunk_rows: list[int],
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed sequences whose first ``chunk_rows[j]`` rows run in the chunk-aligned arithmetic
+    (:func:`gdn_chunk_varlen`, from the boundary state ``states[j]``) and the rest in the recurrence
+    (:func:`~vllm_bi.attention.gdn_recurrent.gdn_recurrent_varlen`), from the state the chunk rows end in.
+
+    A sequence with recurrent rows must have whole blocks of chunk rows (``chunk_rows[j] % CHUNK == 0``): the
+    recurrence then starts from a boundary state, which the chunk arithmetic gives exactly. Returns
+    ``(o [T, HV, V] fp32, states [N, HV, V, K] fp32)``: a sequence's state after its last row when it has
+    recurrent rows or ends on a boundary, else its last boundary state (what the chunk mode keeps). Every
+    output row is the one its arithmetic gives alone (fp32 holds each side's output exactly), so a token's
+    bits do not depend on where the other sequences switch. Differentiable."""
+    from vllm_bi.attention.gdn_recurrent import gdn_recurrent_varlen, rows_of
+
+    cu = [int(x) for x in cu_seqlens]
+    n = len(cu) - 1
+    lens = [cu[j + 1] - cu[j] for j in range(n)]
+    if len(chunk_rows) != n:
+        raise ValueError(f"gdn_hybrid_varlen: {len(chunk_rows)} chunk_rows for {n} sequences")
+    for j, (c, L) in enumerate(zip(chunk_rows, lens)):
+        if not 0 <= c <= L or (c < L and c % CHUNK):
+            raise ValueError(f"gdn_hybrid_varlen: sequence {j} has {L} rows and chunk_rows {c}: it must lie in "
+                             f"[0, {L}] and, with recurrent rows after it, be a multiple of {CHUNK}")
+    dev = q.device
+    T = v.shape[0]
+    o = torch.zeros((T, *v.shape[1:]), dtype=torch.float32, device=dev)
+    mid = states
+    parts = []  # (sequences, packed row index, their rows' outputs)
+    cseq = [j for j in range(n) if chunk_rows[j]]
+    if cseq:
+        ranges = [(cu[j], cu[j] + chunk_rows[j]) for j in cseq]
+        rows = rows_of(ranges, dev)
+        ccu = [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+        o_c, bounds = gdn_chunk_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], states[cseq], ccu, scale)
+        mid = states.index_copy(0, torch.tensor(cseq, device=dev), bounds)
+        parts.append((rows, o_c))
+    rseq = [j for j in range(n) if chunk_rows[j] < lens[j]]
+    finals = mid
+    if rseq:
+        ranges = [(cu[j] + chunk_rows[j], cu[j + 1]) for j in rseq]
+        rows = rows_of(ranges, dev)
+        rcu = [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+        o_r, ends = gdn_recurrent_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], mid[rseq], rcu, scale)
+        finals = mid.index_copy(0, torch.tensor(rseq, device=dev), ends)
+        parts.append((rows, o_r))
+    for rows, o_part in parts:
+        o = o.index_copy(0, rows, o_part.float())
+    return o, finals
 
 
 # fla-core 0.6.0 kernels of the chunked forward and the config each is pinned to (fields that must match

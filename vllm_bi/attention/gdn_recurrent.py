@@ -477,12 +477,15 @@ def gdn_varlen(
     activation: str | None = "silu",
     mode: str = "recurrent",
     packed: bool = False,
+    chunk_rows: list[int] | None = None,
 ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
     ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` instead
     (each sequence's first row must sit at a block boundary and ``states`` are the boundary states);
-    the returned states are then the states at each sequence's last boundary.
+    the returned states are then the states at each sequence's last boundary. ``mode="hybrid"``: each
+    sequence's first ``chunk_rows[j]`` rows run in the chunk arithmetic and the rest in the recurrence
+    (:func:`vllm_bi.attention.gdn_chunk.gdn_hybrid_varlen`, which says which state comes back).
 
     Sequence ``j`` owns rows ``ranges[j] = (s, e)`` of ``mixed_qkv``, ``a`` and ``b``;
     ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
@@ -508,8 +511,16 @@ def gdn_varlen(
         from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen as core
     elif mode == "recurrent":
         core = gdn_recurrent_varlen
+    elif mode == "hybrid":
+        from vllm_bi.attention.gdn_chunk import gdn_hybrid_varlen
+
+        if chunk_rows is None:
+            raise ValueError("GDN mode 'hybrid' needs chunk_rows (each sequence's rows in the chunk arithmetic)")
+
+        def core(q, k, v, g, beta, states, cu):
+            return gdn_hybrid_varlen(q, k, v, g, beta, states, cu, chunk_rows)
     else:
-        raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
+        raise ValueError(f"GDN mode {mode!r}: choose 'recurrent', 'chunk' or 'hybrid'")
     if not states.is_cuda:
         # the torch cores' matmuls pick their kernels (and so their bits) by the state's strides: one
         # layout, whatever memory the caller's states sit in (CUDA's fla-core path makes its own copy)

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode
+from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode, hybrid_chunk_rows
 from vllm_bi.attention.gdn_recurrent import gdn_varlen, host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
@@ -33,13 +33,26 @@ except ImportError:
     _GDNBuilderBase = object
 
 
+# The model runner's per-request prompt lengths (its input batch's CPU tensor, rows in the step's request order),
+# set by the runner patch (``patches._wrap_build_attention_metadata``) before it builds a step's metadata.
+STEP_PROMPT_LENS: torch.Tensor | None = None
+
+
 class BIGDNMetadataBuilder(_GDNBuilderBase):
     """vLLM's GDN metadata, plus each request's number of already computed tokens (``vllm_bi_num_computed``,
-    on the device): the chunk-aligned mode needs the absolute position of a request's first new token."""
+    on the device): the chunk-aligned mode needs the absolute position of a request's first new token; and,
+    for the hybrid mode, each request's prompt length (``vllm_bi_prompt_lens``, host), where its arithmetic
+    switches."""
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
         md.vllm_bi_num_computed = common_attn_metadata.compute_num_computed_tokens()
+        if gdn_mode() == "hybrid":
+            if STEP_PROMPT_LENS is None:
+                raise RuntimeError("vllm_bi: VLLM_BI_GDN_MODE=hybrid needs each request's prompt length, and this "
+                                   "vLLM model runner did not give it (vllm_bi patches GPUModelRunner's "
+                                   "_build_attention_metadata); use VLLM_BI_GDN_MODE=chunk or recurrent")
+            md.vllm_bi_prompt_lens = STEP_PROMPT_LENS[: common_attn_metadata.num_reqs].tolist()
         return md
 
 
@@ -112,18 +125,22 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     plan = step_plan(md, mixed_qkv.device)
     if plan is None:
         return
+    mode = gdn_mode()
     weight = layer.conv1d.weight
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     W = weight.shape[-1]
     dev = mixed_qkv.device
     slot_t, ranges = plan.slot_t, plan.ranges
     dim_first = is_conv_state_dim_first()
+    kv_layout = _kv_layout(dev)
+    if mode == "hybrid" and plan.chunk_rows is None:  # every request past its prompt's last boundary
+        _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        return
     conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
         conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    kv_layout = _kv_layout(dev)
     states = gather_slots(ssm_cache, slot_t, plan.fresh, kv_layout)  # [N, HV, V, K]
-    if gdn_mode() == "chunk":
+    if mode in ("chunk", "hybrid"):
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, states, conv_cache, ssm_cache, weight,
                     dim_first, kv_layout)
         return
@@ -144,10 +161,22 @@ class StepPlan:
     (device), ``fresh`` (device indices of the new requests, whose states start from zeros; None if none) and,
     for the chunk mode, each one's number of already computed tokens ``starts``."""
 
-    def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=()):
+    def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=(), prompts=None):
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
         self.fresh_host = list(fresh_host)  # ``fresh`` on the host
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
+        # hybrid mode: per request, the cached rows it re-runs (``recompute``: its position past its last
+        # boundary while it is before its prompt's last boundary, else 0) and its rows in the chunk arithmetic
+        # counted from there (``chunk_rows``); both None when no request has chunk rows
+        self.recompute = self.chunk_rows = None
+        if prompts is not None:
+            n = [e - s for s, e in ranges]
+            before = [st < CHUNK * (p // CHUNK) for st, p in zip(starts, prompts)]
+            self.recompute = [0] * len(n)
+            if any(before):
+                self.recompute = [st % CHUNK if b else 0 for st, b in zip(starts, before)]
+                self.chunk_rows = [hybrid_chunk_rows(p, st - r, r + k)
+                                   for p, st, r, k in zip(prompts, starts, self.recompute, n)]
 
 
 def step_plan(md, dev) -> StepPlan | None:
@@ -159,7 +188,8 @@ def step_plan(md, dev) -> StepPlan | None:
 
 def _build_plan(md, dev) -> StepPlan | None:
     n_dec, n_pre = md.num_decodes, md.num_prefills
-    if n_pre == 0 and n_dec and gdn_mode() != "chunk" and getattr(md, "num_decode_tokens", None) == n_dec:
+    # the hybrid mode never: vLLM counts a one-token prompt chunk as a decode, and it may need chunk rows
+    if n_pre == 0 and n_dec and gdn_mode() == "recurrent" and getattr(md, "num_decode_tokens", None) == n_dec:
         return _decode_plan(md, n_dec, dev)
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
@@ -172,12 +202,14 @@ def _build_plan(md, dev) -> StepPlan | None:
         return None
     ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
-    starts = None
-    if gdn_mode() == "chunk":
+    starts = prompts = None
+    if gdn_mode() in ("chunk", "hybrid"):
         computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
         starts = [computed[i] for i in seqs]
+    if gdn_mode() == "hybrid":
+        prompts = [md.vllm_bi_prompt_lens[i] for i in seqs]
     return StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
-                    host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh)
+                    host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh, prompts)
 
 
 def _decode_plan(md, n: int, dev) -> StepPlan:
@@ -266,10 +298,11 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
     conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
     blk = src[ix.block_rows]
     new_hist = src[ix.hist_rows].reshape(N, R, -1)
+    hybrid = plan.chunk_rows is not None
     o, _, finals = gdn_varlen(
         blk[:, :D], ix.ranges, weight, conv0, layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
         layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
-        layer.activation, mode="chunk", packed=True,
+        layer.activation, mode="hybrid" if hybrid else "chunk", packed=True, chunk_rows=plan.chunk_rows,
     )
     out[plan.rows] = o[ix.keep_rows].to(out.dtype)
     # a request that reached no new block boundary gets back its input state, bit for bit: its slot already
@@ -281,6 +314,33 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
     if dim_first:
         new_hist = new_hist.transpose(1, 2)
     conv_cache[plan.slot_t] = new_hist.to(conv_cache.dtype)
+
+
+def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
+    """The hybrid mode's step when every request is past its prompt's last block boundary (every decode step
+    once the prompts are in): the recurrent mode's core from each slot's full fp32 state. The conv state is the
+    last ``W - 1`` raw ``mixed_qkv`` rows of the widened history, read and written in place; the history's
+    other rows and its ``a``, ``b`` columns are read only before a request reaches that boundary, never again
+    (prefix caching is off in this mode, and a preempted request starts over), so they are left as they are.
+    A request that is new here (a prompt shorter than one block) starts from zeros."""
+    W, D = weight.shape[-1], mixed_qkv.shape[1]
+    R = conv_cache.shape[-1] if dim_first else conv_cache.shape[1]
+    tail = slice(R - (W - 1), R)
+    conv = conv_cache[plan.slot_t, :D, tail].transpose(1, 2) if dim_first else conv_cache[plan.slot_t, tail, :D]
+    states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
+    if plan.fresh is not None:
+        conv[plan.fresh] = 0
+    o, new_conv, new_states = gdn_varlen(
+        mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias, states,
+        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation, packed=True,
+    )
+    out[plan.rows] = o.to(out.dtype)
+    store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
+    new_conv = new_conv.to(conv_cache.dtype)
+    if dim_first:
+        conv_cache[plan.slot_t, :D, tail] = new_conv.transpose(1, 2)
+    else:
+        conv_cache[plan.slot_t, tail, :D] = new_conv
 
 
 class _ChunkIndex:
@@ -304,7 +364,8 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
         return plan.chunk[key]
     ranges, N = plan.ranges, len(plan.ranges)
     n = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
-    first = R - torch.tensor(plan.starts, dtype=torch.long) % CHUNK  # ext row of each request's block boundary
+    redo = plan.recompute if plan.recompute is not None else [st % CHUNK for st in plan.starts]
+    first = R - torch.tensor(redo, dtype=torch.long)  # ext row of each request's first re-run or new row
     s0 = torch.tensor([s for s, _ in ranges], dtype=torch.long)
 
     def ext_rows(req: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
@@ -320,7 +381,10 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
     keep = (R - first).tolist()
     keep_rows = torch.cat([torch.arange(bounds[j] + keep[j], bounds[j + 1]) for j in range(N)])
     fresh = set(plan.fresh_host)
-    store = torch.tensor([j for j in range(N) if j in fresh or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK],
+    # stored: new requests, those that reached a block boundary, and (hybrid) those past their prompt's last
+    # boundary, whose full state changes with every token
+    store = torch.tensor([j for j in range(N) if j in fresh or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
+                          or (plan.chunk_rows is not None and plan.chunk_rows[j] < redo[j] + int(n[j]))],
                          dtype=torch.long)
     parts = [spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R)),
              keep_rows, store]

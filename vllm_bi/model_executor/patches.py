@@ -136,6 +136,7 @@ def _patch_engine_args() -> None:
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
+        _hybrid_prefix_caching(self)
         if current_platform.is_cuda():
             from vllm_bi.model_executor.cuda import own_ops_requested
 
@@ -191,6 +192,29 @@ def _patch_engine_args() -> None:
 
 
 UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
+
+
+def _hybrid_prefix_caching(args) -> None:
+    """``VLLM_BI_GDN_MODE=hybrid`` turns prefix caching off (and refuses it when asked for). A token's arithmetic
+    there depends on its own request's prompt length, so a state cached by another request (a previous turn's
+    generated tokens, run in the recurrence) is not the state this request would compute: a cache hit would
+    change its bits."""
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
+    try:
+        hybrid = gdn_mode() == "hybrid"
+    except ValueError as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    if not hybrid:
+        return
+    if args.enable_prefix_caching:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: {GDN_MODE_ENV}=hybrid cannot share prefix-cache states between requests (a token's "
+            "arithmetic depends on its request's prompt length); drop --enable-prefix-caching or use "
+            f"{GDN_MODE_ENV}=chunk or recurrent.")
+    args.enable_prefix_caching = False
+    logger.warning("vllm_bi: %s=hybrid: prefix caching off (a state cached by another request would have other "
+                   "bits)", GDN_MODE_ENV)
 
 
 def _check_graphs(config) -> None:
@@ -294,7 +318,9 @@ def _patch_gdn() -> None:
         kernel_warmup = None
     if kernel_warmup is not None and hasattr(kernel_warmup, "qwen_triton_warmup"):
         _patch(kernel_warmup, "qwen_triton_warmup", _skip_qwen_gdn_warmup)
-    if gdn_mode() == "chunk":
+    if gdn_mode() in ("chunk", "hybrid"):
+        if gdn_mode() == "hybrid":
+            _patch_prompt_lens()
         from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
         from vllm_bi.model_executor.gdn import chunk_state_shape
@@ -302,6 +328,29 @@ def _patch_gdn() -> None:
         orig = MambaStateShapeCalculator.__dict__["gated_delta_net_state_shape"].__func__
         if not getattr(orig, "_vllm_bi", False):
             _patch(MambaStateShapeCalculator, "gated_delta_net_state_shape", classmethod(chunk_state_shape(orig)))
+
+
+def _wrap_build_attention_metadata(orig):
+    @functools.wraps(orig)
+    def _build_attention_metadata(self, *args, **kwargs):
+        from vllm_bi.model_executor import gdn
+
+        gdn.STEP_PROMPT_LENS = self.input_batch.num_prompt_tokens_cpu_tensor  # rows: this step's requests
+        return orig(self, *args, **kwargs)
+
+    _build_attention_metadata._vllm_bi = True
+    return _build_attention_metadata
+
+
+def _patch_prompt_lens() -> None:
+    """The hybrid GDN mode switches arithmetic at each request's prompt length, which vLLM's attention metadata
+    does not carry: the model runner hands its input batch's prompt lengths to the GDN metadata builder
+    (``gdn.STEP_PROMPT_LENS``) before it builds a step's metadata."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not getattr(GPUModelRunner._build_attention_metadata, "_vllm_bi", False):
+        _patch(GPUModelRunner, "_build_attention_metadata",
+               _wrap_build_attention_metadata(GPUModelRunner._build_attention_metadata))
 
 
 def _skip_qwen_gdn_warmup(runner, model_config) -> None:

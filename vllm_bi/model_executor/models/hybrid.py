@@ -7,8 +7,9 @@ same roundings as vLLM 0.32's model code, so a token's logprob here equals the
 one the server returned, bit for bit.
 
 Input is a varlen-packed batch: ``input_ids [T]`` and ``cu_seqlens [B+1]``
-(every sequence starts at position 0). Output: bf16 logits ``[T, vocab]``;
-:meth:`GDNHybridForCausalLM.token_logprobs` gives the logprob of each next token.
+(every sequence starts at position 0), and, for ``VLLM_BI_GDN_MODE=hybrid``, each sequence's prompt length (its
+GDN arithmetic switches at the prompt's last block boundary, as the server's does). Output: bf16 logits
+``[T, vocab]``; :meth:`GDNHybridForCausalLM.token_logprobs` gives the logprob of each next token.
 
 Legend: ``T`` packed tokens, ``D`` hidden size, ``H``/``Hkv`` attention heads,
 ``Hk``/``Hv`` GDN key/value heads, ``K``/``V`` GDN head dims.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.attention.gdn_chunk import gdn_mode
+from vllm_bi.attention.gdn_chunk import gdn_mode, hybrid_chunk_rows
 from vllm_bi.attention.gdn_recurrent import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
@@ -231,7 +232,7 @@ class GatedDeltaNet(nn.Module):
         z = bi_linear(x, self.in_proj_z).view(T, Hv, V)
         return mixed, z, bi_linear(x, self.in_proj_b), bi_linear(x, self.in_proj_a)
 
-    def forward(self, x_TD, positions_T, cu):
+    def forward(self, x_TD, positions_T, cu, prompt_lens=None):
         c, T = self.c, x_TD.shape[0]
         Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         mixed, z, b, a = self._project(x_TD)
@@ -239,11 +240,16 @@ class GatedDeltaNet(nn.Module):
         # The server's GDN core, every sequence from fp32 zero states (CPU: one recurrence per sequence;
         # CUDA: one fla-core varlen launch).
         n, dev = len(cu) - 1, x_TD.device
+        mode, chunk_rows = gdn_mode(), None
+        if mode == "hybrid":  # chunk arithmetic up to each prompt's last block boundary, then the recurrence
+            lens = [cu[i + 1] - cu[i] for i in range(n)]
+            chunk_rows = [hybrid_chunk_rows(lens[i] if prompt_lens is None else prompt_lens[i], 0, lens[i])
+                          for i in range(n)]
         outs, _, _ = gdn_varlen(
             mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
             torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
             self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
-            mode=gdn_mode(),
+            mode=mode, chunk_rows=chunk_rows,
         )
         core = torch.cat(outs).to(x_TD.dtype)
         y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
@@ -295,13 +301,15 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"unknown layer type {layer_type!r}")
         self.mlp = SparseMoE(c, moe_inter, shared_inter) if c.moe else MLP(c.hidden_size, inter)
 
-    def forward(self, h, residual, positions, cu):
+    def forward(self, h, residual, positions, cu, prompt_lens=None):
         if residual is None:
             residual, h = h, self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        h = mixer(h, positions, cu)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h, positions, cu, prompt_lens)
+        else:
+            h = self.self_attn(h, positions, cu)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -415,14 +423,18 @@ class GDNHybridForCausalLM(nn.Module):
                   os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         return path
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor) -> torch.Tensor:
-        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
+                prompt_lens: list[int] | None = None) -> torch.Tensor:
+        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``. ``prompt_lens``: each
+        sequence's prompt length (the hybrid GDN mode's switch; default: the whole sequence is prompt)."""
+        if prompt_lens is not None and len(prompt_lens) != len(cu_seqlens) - 1:
+            raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(cu_seqlens) - 1} sequences")
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
         positions = torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]).to(input_ids.device)
         h = self.embed_tokens[input_ids]
         residual = None
         for layer in self.layers:
-            h, residual = layer(h, residual, positions, cu)
+            h, residual = layer(h, residual, positions, cu, prompt_lens)
         h, _ = self.norm(h, residual)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return bi_linear(h, head)
@@ -447,7 +459,7 @@ class GDNHybridForCausalLM(nn.Module):
         for p, c in pairs:
             cu.append(cu[-1] + len(p) + len(c))
         ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
-        lp = log_softmax(self(ids, cu), dim=-1, dtype=torch.float32)
+        lp = log_softmax(self(ids, cu, [len(p) for p, _ in pairs]), dim=-1, dtype=torch.float32)
         rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
         targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
         tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
