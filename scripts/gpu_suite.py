@@ -117,6 +117,8 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                            prompts=long_prompts(models)),
                    _parity("parity hybrid mode qwen3.5-moe", m["qwen3.5-moe"], gdn="hybrid", max_tokens=80,
                            prompts=long_prompts(models)),
+                   _parity("parity hybrid mode + CUDA graphs (decode) qwen3.5", m["qwen3.5"], gdn="hybrid",
+                           graphs="decode", max_tokens=80, prompts=long_prompts(models)),
                    Job("trainer 1 GPU hybrid mode qwen3.5", "trainer", [sys.executable, *trainer, "--model",
                                                                       m["qwen3.5"]],
                        {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid"})],

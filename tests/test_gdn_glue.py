@@ -294,3 +294,23 @@ def test_a_decode_step_is_planned_without_reading_the_host(monkeypatch):
     del host._vllm_bi_plan
     ref = G.step_plan(host, torch.device("cpu"))
     assert ref.ranges == plan.ranges and torch.equal(ref.rows, plan.rows) and torch.equal(ref.slot_t, plan.slot_t)
+
+
+def test_hybrid_decode_steps_take_the_device_plan_only_under_capture(monkeypatch):
+    """Hybrid mode: a step of one-token chunks gets the host plan eagerly (one of them may be a prompt token
+    before its switch point, needing chunk rows), and the device-only decode plan while a CUDA graph is captured
+    (a replayed step has only generated tokens: the runner keeps the others eager)."""
+    from vllm_bi.model_executor import gdn as G
+
+    def md():
+        return types.SimpleNamespace(
+            non_spec_query_start_loc=torch.tensor([0, 1, 2]), num_decode_tokens=2, num_decodes=2, num_prefills=0,
+            non_spec_state_indices_tensor=torch.tensor([5, 1]), has_initial_state=None,
+            vllm_bi_num_computed=torch.tensor([40, 70]), vllm_bi_prompt_lens=[140, 70])
+
+    monkeypatch.setattr(G, "gdn_mode", lambda: "hybrid")
+    eager = G.step_plan(md(), torch.device("cpu"))
+    assert eager.starts == [40, 70] and eager.recompute == [40, 0] and eager.chunk_rows == [41, 0]
+    monkeypatch.setattr(G, "_capturing", lambda dev: True)
+    captured = G.step_plan(md(), torch.device("cpu"))
+    assert captured.starts is None and captured.chunk_rows is None and captured.slot_t.tolist() == [5, 1]

@@ -114,7 +114,42 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
     monkeypatch.delenv("VLLM_BI_CUDA_OPS")
     assert graph_blockers(has_moe=False) == []
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "hybrid")  # its decode steps run the recurrence: capturable
+    assert graph_blockers(has_moe=False) == []
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
     _check_graphs(_config())  # a dense model with the recurrent mode and the Triton attention: allowed
     for mode in ("exact", "triton"):  # MoE experts grouped on the device: capturable
         monkeypatch.setenv("VLLM_BI_MOE", mode)
         assert graph_blockers(has_moe=True) == []
+
+
+def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():
+    """Hybrid GDN mode with decode CUDA graphs: vLLM counts a one-token prompt chunk as a uniform decode; a step
+    holding a request still before its prompt's last block boundary must run eagerly (its token needs the chunk
+    arithmetic, a captured step runs the recurrence only). The runner patch forces it off the graph; steps of
+    generated tokens and vLLM's own capture calls pass through unchanged."""
+    import numpy as np
+
+    from vllm_bi.model_executor.patches import _wrap_batch_execution, prompt_chunk_scheduled
+
+    batch = SimpleNamespace(num_computed_tokens_cpu=np.array([140, 63, 70, 0]),
+                                  num_prompt_tokens=np.array([140, 64, 70, 0]))
+    assert not prompt_chunk_scheduled(batch, 1)  # at its prompt's end: past the switch (128)
+    assert prompt_chunk_scheduled(batch, 2)  # 63 < 64: the prompt's last token, before its switch
+    assert not prompt_chunk_scheduled(SimpleNamespace(num_computed_tokens_cpu=batch.num_computed_tokens_cpu[2:],
+                                                            num_prompt_tokens=batch.num_prompt_tokens[2:]), 2)
+    seen = []
+
+    def orig(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn=False,
+             allow_microbatching=True, force_eager=False, force_uniform_decode=None):
+        seen.append(force_uniform_decode)
+        return "dispatched"
+
+    wrapped = _wrap_batch_execution(orig)
+    runner = SimpleNamespace(input_batch=batch)
+    assert wrapped(runner, num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1) \
+        == "dispatched"
+    wrapped(runner, 1, 1, None, 1)
+    wrapped(runner, num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1,
+            force_uniform_decode=True)  # vLLM capturing its graphs: left alone
+    assert seen == [False, None, True]

@@ -8,6 +8,10 @@ setting vLLM captures such steps whole (``cudagraph_mode=FULL_DECODE_ONLY``, no 
 prefills and mixed steps stay eager. A captured step runs the same kernels on the same rows as an eager one, so
 its bits are the same; padded rows read and write vLLM's null slot and block.
 
+The hybrid GDN mode captures its decode steps too (the recurrence from each slot's full state); a step in which a
+request is still before its prompt's last block boundary (a one-token prompt chunk, which vLLM counts as a decode)
+is never replayed from a graph but runs eagerly (``patches.prompt_chunk_scheduled``). Not yet run on a GPU.
+
 Refused where a decode step still reads the host: the chunk GDN mode (its partial blocks), the torch attention
 op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers on the default loop path (experts grouped on
 the host; ``VLLM_BI_MOE=exact`` or ``triton`` groups them on the device), and vLLM's
@@ -42,9 +46,9 @@ def graph_blockers(has_moe: bool) -> list[str]:
     from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
 
     why = []
-    if gdn_mode() != "recurrent":
-        why.append(f"{GDN_MODE_ENV}={gdn_mode()} (decode recomputes partial blocks planned on the host; use "
-                   "recurrent)")
+    if gdn_mode() == "chunk":
+        why.append(f"{GDN_MODE_ENV}=chunk (decode recomputes partial blocks planned on the host; use recurrent "
+                   "or hybrid)")
     if attention_backend("cuda") != "triton":
         why.append(f"{ATTENTION_ENV}={attention_backend('cuda')} (rows grouped on the host; use triton)")
     if not own_ops_requested():

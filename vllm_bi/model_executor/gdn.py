@@ -188,9 +188,11 @@ def step_plan(md, dev) -> StepPlan | None:
 
 def _build_plan(md, dev) -> StepPlan | None:
     n_dec, n_pre = md.num_decodes, md.num_prefills
-    # the hybrid mode never: vLLM counts a one-token prompt chunk as a decode, and it may need chunk rows
-    if n_pre == 0 and n_dec and gdn_mode() == "recurrent" and getattr(md, "num_decode_tokens", None) == n_dec:
-        return _decode_plan(md, n_dec, dev)
+    if n_pre == 0 and n_dec and getattr(md, "num_decode_tokens", None) == n_dec:
+        # the hybrid mode only while a CUDA graph is captured: eagerly, a one-token prompt chunk (which vLLM
+        # counts as a decode) may need chunk rows; a replayed step has none (patches.prompt_chunk_scheduled)
+        if gdn_mode() == "recurrent" or (gdn_mode() == "hybrid" and _capturing(dev)):
+            return _decode_plan(md, n_dec, dev)
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()
@@ -221,6 +223,10 @@ def _decode_plan(md, n: int, dev) -> StepPlan:
     ranges = _decode_ranges(n)
     slot_t = md.non_spec_state_indices_tensor[:n].long().clamp(min=0)  # out of place: the tensor is vLLM's
     return StepPlan(ranges, rows_of(ranges, dev), slot_t, None, None)
+
+
+def _capturing(dev) -> bool:
+    return torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @lru_cache(maxsize=64)

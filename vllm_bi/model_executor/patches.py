@@ -342,15 +342,47 @@ def _wrap_build_attention_metadata(orig):
     return _build_attention_metadata
 
 
+def prompt_chunk_scheduled(input_batch, num_reqs: int) -> bool:
+    """Whether a scheduled request is still before its prompt's last block boundary (the hybrid mode's switch):
+    its tokens, even a single one that vLLM counts as a decode, need the chunk arithmetic."""
+    from vllm_bi.attention.gdn_chunk import CHUNK
+
+    computed = input_batch.num_computed_tokens_cpu[:num_reqs]
+    prompts = input_batch.num_prompt_tokens[:num_reqs]
+    return bool((computed < CHUNK * (prompts // CHUNK)).any())
+
+
+def _wrap_batch_execution(orig):
+    import inspect
+
+    sig = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        if bound.arguments.get("force_uniform_decode") is None and prompt_chunk_scheduled(
+                self.input_batch, bound.arguments["num_reqs"]):
+            bound.arguments["force_uniform_decode"] = False  # no decode graph: the step runs eagerly
+        return orig(*bound.args, **bound.kwargs)
+
+    _determine_batch_execution_and_padding._vllm_bi = True
+    return _determine_batch_execution_and_padding
+
+
 def _patch_prompt_lens() -> None:
     """The hybrid GDN mode switches arithmetic at each request's prompt length, which vLLM's attention metadata
     does not carry: the model runner hands its input batch's prompt lengths to the GDN metadata builder
-    (``gdn.STEP_PROMPT_LENS``) before it builds a step's metadata."""
+    (``gdn.STEP_PROMPT_LENS``) before it builds a step's metadata. And with decode CUDA graphs, a step in which
+    a request is still before its switch point is never replayed from a graph (captured steps run the
+    recurrence only, ``gdn._build_plan``): vLLM counts one-token prompt chunks as uniform decodes."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     if not getattr(GPUModelRunner._build_attention_metadata, "_vllm_bi", False):
         _patch(GPUModelRunner, "_build_attention_metadata",
                _wrap_build_attention_metadata(GPUModelRunner._build_attention_metadata))
+    if not getattr(GPUModelRunner._determine_batch_execution_and_padding, "_vllm_bi", False):
+        _patch(GPUModelRunner, "_determine_batch_execution_and_padding",
+               _wrap_batch_execution(GPUModelRunner._determine_batch_execution_and_padding))
 
 
 def _skip_qwen_gdn_warmup(runner, model_config) -> None:
