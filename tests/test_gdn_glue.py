@@ -1,6 +1,7 @@
 """The GDN server glue (gdn.bi_gdn_core: scheduled sequences gathered from their cache slots, one varlen
 core, states stored back; the same code on CPU and CUDA) agrees exactly with a one-sequence-at-a-time
 reference built from gdn_sequence: outputs, conv and fp32 states, for both conv-cache layouts."""
+import contextlib
 import types
 from unittest import mock
 
@@ -82,6 +83,59 @@ def test_server_glue_matches_per_sequence_reference(dim_first, kv_layout):
     assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(want, l2.kv_cache[1])
 
 
+def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, patches=(), on_step=lambda: None):
+    """Serve requests of ``total`` tokens over scheduler ``steps`` (tokens of each request per step) through
+    ``gdn.bi_gdn_core`` in ``mode``, from widened conv-state slots holding garbage (new requests must ignore
+    it). One-token chunks of running requests are counted as decodes, as vLLM does. Returns each request's
+    outputs and the trainer's call, ``gdn_varlen(mode=...)`` over the whole sequences from zero states."""
+    from vllm_bi.attention.gdn_chunk import CHUNK, hybrid_chunk_rows
+    from vllm_bi.attention.gdn_recurrent import gdn_varlen
+
+    R = CHUNK - 1 + W - 1
+    n = len(total)
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(t, D, generator=gen).bfloat16() for t in total]
+    as_ = [torch.randn(t, HV, generator=gen).bfloat16() for t in total]
+    bs = [torch.randn(t, HV, generator=gen).bfloat16() for t in total]
+    layer = mk(dim_first)
+    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
+    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))
+    slot, done, outs = [4, 0, 2][:n], [0] * n, [[] for _ in range(n)]
+    for step in steps:
+        on_step()
+        dec = [i for i in range(n) if step[i] == 1 and done[i]]
+        reqs = dec + [i for i in range(n) if step[i] and i not in dec]
+        qsl = [0]
+        for i in reqs:
+            qsl.append(qsl[-1] + step[i])
+        step_md = types.SimpleNamespace(
+            num_actual_tokens=qsl[-1], num_spec_decodes=0, spec_sequence_masks=None,
+            non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
+            num_decodes=len(dec), num_decode_tokens=len(dec), num_prefills=len(reqs) - len(dec),
+            has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
+            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]),
+            vllm_bi_prompt_lens=[prompts[i] for i in reqs] if prompts else None)
+        cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
+        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
+        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
+                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value=mode), \
+                mock.patch.object(G, "_kv_layout", return_value=kv_layout), contextlib.ExitStack() as stack:
+            for name, fn in patches:
+                stack.enter_context(mock.patch.object(G, name, fn))
+            G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
+        for j, i in enumerate(reqs):
+            outs[i].append(o[qsl[j] : qsl[j + 1]])
+            done[i] += step[i]
+    assert done == total
+    cu = [0, *torch.tensor(total).cumsum(0).tolist()]
+    w = layer.conv1d.weight.reshape(D, W)
+    rows = [hybrid_chunk_rows(p, 0, t) for p, t in zip(prompts, total)] if prompts else None
+    ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(n)], w,
+                           torch.zeros(n, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
+                           layer.dt_bias, torch.zeros(n, HV, V, K), H, K, V, mode=mode, chunk_rows=rows)
+    return [torch.cat(o) for o in outs], [r.to(torch.bfloat16) for r in ref]
+
+
 @pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
@@ -89,22 +143,6 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
     offsets, decodes across a 64-token boundary, from a widened conv-state slot holding the raw inputs since
     the boundary) give exactly the outputs of the trainer's call, ``gdn_varlen(mode="chunk")`` over the
     whole sequences from zero states."""
-    from vllm_bi.attention.gdn_chunk import CHUNK
-    from vllm_bi.attention.gdn_recurrent import gdn_varlen
-
-    R = CHUNK - 1 + W - 1
-    total = [150, 71, 6]
-    steps = [[40, 70, 5], [60, 1, 1], [49, 0, 0], [1, 0, 0]]  # tokens of each request per step
-    gen = torch.Generator().manual_seed(5)
-    xs = [torch.randn(n, D, generator=gen).bfloat16() for n in total]
-    as_ = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
-    bs = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
-    layer = mk(dim_first)
-    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
-    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))  # garbage: new requests must ignore it
-    slot = [4, 0, 2]
-    done = [0, 0, 0]
-    outs = [[], [], []]
     stored = []  # boundary states written per step: only new requests and those reaching a block boundary
     real_store = G.store_slots
 
@@ -112,35 +150,12 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
         stored[-1] += slot_t.numel()
         return real_store(cache, slot_t, states, kv_layout)
 
-    for step in steps:
-        stored.append(0)
-        reqs = [i for i in range(3) if step[i]]
-        qsl = [0]
-        for i in reqs:
-            qsl.append(qsl[-1] + step[i])
-        step_md = types.SimpleNamespace(
-            num_actual_tokens=qsl[-1], num_spec_decodes=0, spec_sequence_masks=None,
-            non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
-            num_decodes=0, num_prefills=len(reqs), has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
-            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]))
-        cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
-        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
-        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
-                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
-                mock.patch.object(G, "_kv_layout", return_value=kv_layout), mock.patch.object(G, "store_slots", store):
-            G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
-        for j, i in enumerate(reqs):
-            outs[i].append(o[qsl[j] : qsl[j + 1]])
-            done[i] += step[i]
-    assert done == total
+    steps = [[40, 70, 5], [60, 1, 1], [49, 0, 0], [1, 0, 0]]
+    got, ref = _serve_steps("chunk", [150, 71, 6], steps, dim_first, kv_layout, 5, patches=[("store_slots", store)],
+                            on_step=lambda: stored.append(0))
     assert stored == [3, 1, 1, 0]  # step 1: request 0 crosses 64, the decodes of 1 and 2 do not; step 3: none
-    cu = [0, *torch.tensor(total).cumsum(0).tolist()]
-    w = layer.conv1d.weight.reshape(D, W)
-    ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(3)], w,
-                           torch.zeros(3, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
-                           layer.dt_bias, torch.zeros(3, HV, V, K), H, K, V, mode="chunk")
     for i in range(3):
-        assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
 
 @pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
@@ -152,58 +167,19 @@ def test_hybrid_glue_gives_the_trainers_bits(dim_first, kv_layout):
     recurrent mode's decode shortcut must not take it), a new short prompt alone (all recurrent, from zeros),
     and steps where every request is past its switch point (the recurrent path on the widened conv slots).
     Outputs equal the trainer's call, ``gdn_varlen(mode="hybrid")`` over the whole sequences."""
-    from vllm_bi.attention.gdn_chunk import CHUNK, hybrid_chunk_rows
-    from vllm_bi.attention.gdn_recurrent import gdn_varlen
-
-    R = CHUNK - 1 + W - 1
-    total, prompts = [150, 71, 30], [140, 70, 20]
-    steps = [[40, 70, 0], [1, 1, 0], [0, 0, 20], [99, 0, 5], [10, 0, 5]]
-    gen = torch.Generator().manual_seed(6)
-    xs = [torch.randn(n, D, generator=gen).bfloat16() for n in total]
-    as_ = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
-    bs = [torch.randn(n, HV, generator=gen).bfloat16() for n in total]
-    layer = mk(dim_first)
-    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
-    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))  # garbage: new requests must ignore it
-    slot, done, outs, paths = [4, 0, 2], [0, 0, 0], [[], [], []], []
+    paths = []
     real_recurrent = G._hybrid_recurrent
 
     def recurrent(*args):
         paths[-1] = "recurrent"
         return real_recurrent(*args)
 
-    for step in steps:
-        paths.append("chunk")
-        dec = [i for i in range(3) if step[i] == 1 and done[i]]  # vLLM: one-token chunks of running requests
-        reqs = dec + [i for i in range(3) if step[i] and i not in dec]
-        qsl = [0]
-        for i in reqs:
-            qsl.append(qsl[-1] + step[i])
-        step_md = types.SimpleNamespace(
-            num_actual_tokens=qsl[-1], num_spec_decodes=0, spec_sequence_masks=None,
-            non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
-            num_decodes=len(dec), num_decode_tokens=len(dec), num_prefills=len(reqs) - len(dec),
-            has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
-            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]), vllm_bi_prompt_lens=[prompts[i] for i in reqs])
-        cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
-        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
-        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
-                mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value="hybrid"), \
-                mock.patch.object(G, "_kv_layout", return_value=kv_layout), mock.patch.object(G, "_hybrid_recurrent", recurrent):
-            G.bi_gdn_core(layer, cat[0], cat[2], cat[1], o)
-        for j, i in enumerate(reqs):
-            outs[i].append(o[qsl[j] : qsl[j + 1]])
-            done[i] += step[i]
-    assert done == total
+    steps = [[40, 70, 0], [1, 1, 0], [0, 0, 20], [99, 0, 5], [10, 0, 5]]
+    got, ref = _serve_steps("hybrid", [150, 71, 30], steps, dim_first, kv_layout, 6, prompts=[140, 70, 20],
+                            patches=[("_hybrid_recurrent", recurrent)], on_step=lambda: paths.append("chunk"))
     assert paths == ["chunk", "chunk", "recurrent", "chunk", "recurrent"]
-    cu = [0, *torch.tensor(total).cumsum(0).tolist()]
-    w = layer.conv1d.weight.reshape(D, W)
-    ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(3)], w,
-                           torch.zeros(3, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
-                           layer.dt_bias, torch.zeros(3, HV, V, K), H, K, V, mode="hybrid",
-                           chunk_rows=[hybrid_chunk_rows(p, 0, n) for p, n in zip(prompts, total)])
     for i in range(3):
-        assert torch.equal(torch.cat(outs[i]), ref[i].to(torch.bfloat16)), f"request {i} differs from the trainer"
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
 
 @pytest.mark.parametrize("kv_layout", [False, True])
