@@ -280,7 +280,7 @@ def gdn_hybrid_varlen(
     T = v.shape[0]
     o = torch.zeros((T, *v.shape[1:]), dtype=torch.float32, device=dev)
     mid = states
-    parts = []  # (sequences, packed row index, their rows' outputs)
+    parts = []  # (packed row indices, their outputs)
     cseq = [j for j in range(n) if chunk_rows[j]]
     if cseq:
         ranges = [(cu[j], cu[j] + chunk_rows[j]) for j in cseq]
