@@ -169,8 +169,8 @@ def main() -> int:
         if not bi:
             server_args += shlex.split(args.stock_args)
         env = cpu_env(bi, extra_env)
-        gdn = env.get("VLLM_BI_GDN_MODE") or "recurrent" if bi else "stock"
-        gemm = env.get("VLLM_BI_GEMM") or "fp64" if bi else "cuBLAS"
+        gdn = (env.get("VLLM_BI_GDN_MODE") or "recurrent") if bi else "stock"
+        gemm = (env.get("VLLM_BI_GEMM") or "fp64") if bi else "cuBLAS"
         t0 = time.time()
         print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)
         try:

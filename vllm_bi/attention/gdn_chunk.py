@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, heads_qk, index_on, rows_of
+from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, gdn_recurrent_varlen, heads_qk, index_on, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = ["CHUNK", "GDN_MODE_ENV", "GDN_MODES", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "gdn_hybrid_varlen",
-           "hybrid_chunk_rows", "pin_fla_chunk_configs"]
+           "hybrid_chunk_rows", "hybrid_switch", "pin_fla_chunk_configs"]
 
 CHUNK = 64
 GDN_MODE_ENV = "VLLM_BI_GDN_MODE"
@@ -174,6 +174,11 @@ def gdn_chunk_varlen(
     return _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale)
 
 
+def _packed(ranges, dev):
+    """The rows of ``ranges`` packed (device index), and the packed segments' offsets."""
+    return rows_of(ranges, dev), [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+
+
 def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
     """Two fla-core chunked launches: the whole blocks of every sequence (their final states are the boundary
     states), then the partial blocks from those states. A launch that takes every row in order reads the
@@ -198,9 +203,6 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
                                          index_on(cut, dev), scale)
         return o_, ht  # o_ [1, rows, HV, V]
 
-    def packed(ranges):  # rows of `ranges` packed, and their segment offsets
-        return rows_of(ranges, dev), [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
-
     o = None
     if full and len(full) == n:
         cut, h_src, whole_seg = [0], [], []
@@ -215,7 +217,7 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
         o, ht = launch(None, cut, bound[index_on(h_src, dev)] if tails else bound)
         bound = ht[index_on(whole_seg, dev)] if tails else ht
     elif full:
-        rows, cut = packed([(cu[i], cu[i] + whole[i]) for i in full])
+        rows, cut = _packed([(cu[i], cu[i] + whole[i]) for i in full], dev)
         full_t = index_on(full, dev)
         o_full, ht = launch(rows, cut, bound[full_t])
         o = torch.zeros((1, *v.shape), dtype=o_full.dtype, device=dev).index_copy_(1, rows, o_full)
@@ -224,7 +226,7 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
         if o is None and len(part) == n:  # only partial blocks, every row: in place
             o, _ = launch(None, cu, bound)
         else:
-            rows, cut = packed([(cu[i] + whole[i], cu[i + 1]) for i in part])
+            rows, cut = _packed([(cu[i] + whole[i], cu[i + 1]) for i in part], dev)
             o_part, _ = launch(rows, cut, bound[index_on(part, dev)])
             if o is None:
                 o = torch.zeros((1, *v.shape), dtype=o_part.dtype, device=dev)
@@ -234,13 +236,18 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
     return o[0], bound.transpose(-1, -2)
 
 
+def hybrid_switch(prompt_len):
+    """The hybrid arithmetic's switch point ``B = CHUNK * (prompt_len // CHUNK)``, the prompt's last block
+    boundary (an int, or elementwise for an array of prompt lengths): a token at absolute position ``p`` runs in
+    the chunk arithmetic iff ``p < B``; the prompt's tail and every generated token run the recurrence from the
+    exact fp32 state at ``B``."""
+    return prompt_len // CHUNK * CHUNK
+
+
 def hybrid_chunk_rows(prompt_len: int, start: int = 0, rows: int | None = None) -> int:
-    """The hybrid arithmetic's split (``gdn_hybrid_varlen``): a token at absolute position ``p`` runs in the chunk
-    arithmetic iff ``p < B = CHUNK * (prompt_len // CHUNK)``, the prompt's last block boundary; the prompt's tail
-    and every generated token run the recurrence from the exact fp32 state at ``B``. Returns how many of the
-    ``rows`` rows (default: all) from absolute position ``start`` (a block boundary, or ``B`` and beyond) are
-    chunk rows."""
-    n = max(0, CHUNK * (prompt_len // CHUNK) - start)
+    """How many of the ``rows`` rows (default: all) from absolute position ``start`` (a block boundary, or
+    :func:`hybrid_switch` and beyond) run in the chunk arithmetic (``gdn_hybrid_varlen``)."""
+    n = max(0, hybrid_switch(prompt_len) - start)
     return n if rows is None else min(n, rows)
 
 
@@ -265,8 +272,6 @@ def gdn_hybrid_varlen(
     recurrent rows or ends on a boundary, else its last boundary state (what the chunk mode keeps). Every
     output row is the one its arithmetic gives alone (fp32 holds each side's output exactly), so a token's
     bits do not depend on where the other sequences switch. Differentiable."""
-    from vllm_bi.attention.gdn_recurrent import gdn_recurrent_varlen, rows_of
-
     cu = [int(x) for x in cu_seqlens]
     n = len(cu) - 1
     lens = [cu[j + 1] - cu[j] for j in range(n)]
@@ -283,20 +288,16 @@ def gdn_hybrid_varlen(
     parts = []  # (packed row indices, their outputs)
     cseq = [j for j in range(n) if chunk_rows[j]]
     if cseq:
-        ranges = [(cu[j], cu[j] + chunk_rows[j]) for j in cseq]
-        rows = rows_of(ranges, dev)
-        ccu = [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+        rows, ccu = _packed([(cu[j], cu[j] + chunk_rows[j]) for j in cseq], dev)
         o_c, bounds = gdn_chunk_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], states[cseq], ccu, scale)
-        mid = states.index_copy(0, torch.tensor(cseq, device=dev), bounds)
+        mid = states.index_copy(0, index_on(cseq, dev), bounds)
         parts.append((rows, o_c))
     rseq = [j for j in range(n) if chunk_rows[j] < lens[j]]
     finals = mid
     if rseq:
-        ranges = [(cu[j] + chunk_rows[j], cu[j + 1]) for j in rseq]
-        rows = rows_of(ranges, dev)
-        rcu = [0, *torch.tensor([e - s for s, e in ranges]).cumsum(0).tolist()]
+        rows, rcu = _packed([(cu[j] + chunk_rows[j], cu[j + 1]) for j in rseq], dev)
         o_r, ends = gdn_recurrent_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], mid[rseq], rcu, scale)
-        finals = mid.index_copy(0, torch.tensor(rseq, device=dev), ends)
+        finals = mid.index_copy(0, index_on(rseq, dev), ends)
         parts.append((rows, o_r))
     for rows, o_part in parts:
         o = o.index_copy(0, rows, o_part.float())

@@ -167,14 +167,13 @@ class StepPlan:
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
         # hybrid mode: per request, the cached rows it re-runs (``recompute``: its position past its last
         # boundary while it is before its prompt's last boundary, else 0) and its rows in the chunk arithmetic
-        # counted from there (``chunk_rows``); both None when no request has chunk rows
+        # counted from there (``chunk_rows``, None when no request has any); both None outside the hybrid mode
         self.recompute = self.chunk_rows = None
         if prompts is not None:
             n = [e - s for s, e in ranges]
-            before = [st < CHUNK * (p // CHUNK) for st, p in zip(starts, prompts)]
-            self.recompute = [0] * len(n)
+            before = [hybrid_chunk_rows(p, st) > 0 for st, p in zip(starts, prompts)]
+            self.recompute = [st % CHUNK if b else 0 for st, b in zip(starts, before)]
             if any(before):
-                self.recompute = [st % CHUNK if b else 0 for st, b in zip(starts, before)]
                 self.chunk_rows = [hybrid_chunk_rows(p, st - r, r + k)
                                    for p, st, r, k in zip(prompts, starts, self.recompute, n)]
 
@@ -188,10 +187,11 @@ def step_plan(md, dev) -> StepPlan | None:
 
 def _build_plan(md, dev) -> StepPlan | None:
     n_dec, n_pre = md.num_decodes, md.num_prefills
+    mode = gdn_mode()
     if n_pre == 0 and n_dec and getattr(md, "num_decode_tokens", None) == n_dec:
         # the hybrid mode only while a CUDA graph is captured: eagerly, a one-token prompt chunk (which vLLM
         # counts as a decode) may need chunk rows; a replayed step has none (patches.prompt_chunk_scheduled)
-        if gdn_mode() == "recurrent" or (gdn_mode() == "hybrid" and _capturing(dev)):
+        if mode == "recurrent" or (mode == "hybrid" and _capturing(dev)):
             return _decode_plan(md, n_dec, dev)
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
@@ -205,10 +205,10 @@ def _build_plan(md, dev) -> StepPlan | None:
     ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
     starts = prompts = None
-    if gdn_mode() in ("chunk", "hybrid"):
+    if mode in ("chunk", "hybrid"):
         computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
         starts = [computed[i] for i in seqs]
-    if gdn_mode() == "hybrid":
+    if mode == "hybrid":
         prompts = [md.vllm_bi_prompt_lens[i] for i in seqs]
     return StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
                     host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh, prompts)

@@ -345,11 +345,10 @@ def _wrap_build_attention_metadata(orig):
 def prompt_chunk_scheduled(input_batch, num_reqs: int) -> bool:
     """Whether a scheduled request is still before its prompt's last block boundary (the hybrid mode's switch):
     its tokens, even a single one that vLLM counts as a decode, need the chunk arithmetic."""
-    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.attention.gdn_chunk import hybrid_switch
 
     computed = input_batch.num_computed_tokens_cpu[:num_reqs]
-    prompts = input_batch.num_prompt_tokens[:num_reqs]
-    return bool((computed < CHUNK * (prompts // CHUNK)).any())
+    return bool((computed < hybrid_switch(input_batch.num_prompt_tokens[:num_reqs])).any())
 
 
 def _wrap_batch_execution(orig):
