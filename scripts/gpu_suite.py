@@ -77,6 +77,10 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
     trainer = ["-m", "vllm_bi.trainer", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
                "--max-tokens", "12", "--tensorboard", "false", "--progress", "false",
                "--server-args", f"--max-num-batched-tokens 256 --max-num-seqs 32 {MEM}"]
+    long_task = ["--task", long_prompts(models), "--reward", "contains"]
+    fast = {"gemm": "triton", "graphs": "decode", "tiles": "h200-qwen3.5-9b"}
+    fast_name = "triton GEMM h200 tiles + graphs"
+    fast_env = {"VLLM_BI_GEMM": "triton", "VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b", "VLLM_BI_CUDA_GRAPHS": "decode"}
     return {
         "parity-own": [_parity(f"parity own-ops {k}", m[k]) for k in ("qwen3.5", "qwen3-next", "qwen3.5-moe")],
         "parity-own-big": [_parity("parity own-ops qwen3.5 9b-dims", m["qwen3.5-9b"], max_tokens=16),
@@ -119,9 +123,20 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                            prompts=long_prompts(models)),
                    _parity("parity hybrid mode + CUDA graphs (decode) qwen3.5", m["qwen3.5"], gdn="hybrid",
                            graphs="decode", max_tokens=80, prompts=long_prompts(models)),
-                   Job("trainer 1 GPU hybrid mode qwen3.5", "trainer", [sys.executable, *trainer, "--model",
-                                                                      m["qwen3.5"]],
+                   Job("trainer 1 GPU hybrid mode qwen3.5 (long prompts)", "trainer",
+                       [sys.executable, *trainer, *long_task, "--model", m["qwen3.5"]],
                        {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid"})],
+        # the candidate fast settings: hybrid GDN mode + tuned Triton GEMM (the shipped H200 table) + decode graphs
+        "hybrid-fast": [
+            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5", m["qwen3.5"], gdn="hybrid", max_tokens=80,
+                    prompts=long_prompts(models), **fast),
+            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid",
+                    max_tokens=80, prompts=long_prompts(models), **fast),
+            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5-moe", m["qwen3.5-moe"], gdn="hybrid",
+                    max_tokens=80, prompts=long_prompts(models), **fast),
+            Job(f"trainer 1 GPU hybrid-fast (hybrid + {fast_name}) qwen3.5 (long prompts)", "trainer",
+                [sys.executable, *trainer, *long_task, "--model", m["qwen3.5"]],
+                {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid", **fast_env})],
         # the experimental Triton-persistent GEMM mode (VLLM_BI_GEMM=triton), with and without the chunk mode
         "gemm-triton": [_parity("parity own-ops triton GEMM qwen3.5", m["qwen3.5"], gemm="triton"),
                         _parity("parity own-ops triton GEMM qwen3.5 9b-dims", m["qwen3.5-9b"], gemm="triton",
@@ -182,7 +197,9 @@ def long_prompts(models: str) -> str:
         with open(path, "w") as f:
             for i in range(8):
                 n = 150 + 20 * i
-                f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n))}) + "\n")
+                # "answer" lets the trainer's jobs use the file as a task (reward: contains)
+                f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n)),
+                                    "answer": "state"}) + "\n")
     return path
 
 
