@@ -4,7 +4,8 @@
 #                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
 #                                    moe [ARGS ;] (benchmarks/moe_layer.py: MoE experts, BI loop / triton vs stock),
-#                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches
+#                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches,
+#                                    py SCRIPT [ARGS] ; (any benchmarks/ script, e.g. py profile_gdn.py --shapes train:1x4096 ;)
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
 # installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
@@ -116,6 +117,9 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 bi_gemm_tune.py --out "$LOG/bench_gemm_tune.md" \
         --out-json "$LOG/bi_gemm_tiles.json" "${args[@]}" ) 2>&1 | tee "$LOG/gemm-tune.log" ;;
+    py)  # any script of benchmarks/ alone: py gdn_layer.py --part forward --rows decode ;  (log: $OUT/py-<script>.log)
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO/benchmarks" && python3 "${args[@]}" ) 2>&1 | tee "$LOG/py-$(basename "${args[0]}" .py).log" ;;
     moe)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 moe_layer.py --out "$LOG/bench_moe.md" "${args[@]}" ) 2>&1 \
