@@ -90,6 +90,12 @@ def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatc
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(bad))
     with pytest.raises(BatchInvarianceConfigError, match="no shapes"):
         _check_op_settings(CPU)
+    # a table shipped with vllm_bi, by name (session 10's GPU run found the start-up check reading it as a path)
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
+    _check_op_settings(CPU)
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h100-nothing")
+    with pytest.raises(BatchInvarianceConfigError, match="neither a table file"):
+        _check_op_settings(CPU)
 
 
 def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):

@@ -158,7 +158,7 @@ def test_a_shipped_table_is_named_and_checked(monkeypatch):
     shapes; its digest is its file's. An unknown name is refused with the names there are."""
     assert "h200-qwen3.5-9b" in G.builtin_tables()
     monkeypatch.setenv(G.GEMM_CONFIGS_ENV, "h200-qwen3.5-9b")
-    path = G._path()
+    path = G.table_path()
     assert path == os.path.join(G.BUILTIN_DIR, "h200-qwen3.5-9b.json") and os.path.isfile(path)
     arch, shapes = G.load_table(path)
     assert arch == "hopper"

@@ -232,14 +232,14 @@ def _check_op_settings(platform) -> None:
     """``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE`` and ``VLLM_BI_GEMM_CONFIGS`` read at engine creation, so a bad value
     stops the server at start-up, not at its first request."""
     from vllm_bi.ops.attention_triton import attention_backend
-    from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, load_table
+    from vllm_bi.ops.gemm_configs import load_table, table_path
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
     from vllm_bi.ops.moe_triton import moe_backend
 
     try:
         op = attention_backend("cuda" if platform.is_cuda() else "cpu")
         moe_backend("cuda" if platform.is_cuda() else "cpu")
-        tiles = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
+        tiles = table_path()  # a file or the name of a table shipped with vllm_bi
         if tiles:
             arch, shapes = load_table(tiles)
     except (ValueError, RuntimeError) as e:

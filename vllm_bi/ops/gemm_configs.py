@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 
-__all__ = ["GEMM_CONFIGS_ENV", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest"]
+__all__ = ["GEMM_CONFIGS_ENV", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
 
 GEMM_CONFIGS_ENV = "VLLM_BI_GEMM_CONFIGS"
 _installed: dict[str, str] = {}  # path -> digest of the table installed in this process
@@ -50,7 +50,8 @@ def builtin_tables() -> list[str]:
         return []
 
 
-def _path() -> str | None:
+def table_path() -> str | None:
+    """The table file ``VLLM_BI_GEMM_CONFIGS`` names (a path, or a shipped table's name), ``None`` when unset."""
     value = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
     if not value:
         return None
@@ -64,7 +65,7 @@ def _path() -> str | None:
 
 def table_digest() -> str:
     """A short name of the table this process uses: ``"none"`` (vLLM's own) or the file's sha256 prefix."""
-    path = _path()
+    path = table_path()
     if path is None:
         return "none"
     try:
@@ -128,7 +129,7 @@ def load_table(path: str) -> tuple[str, dict[tuple[int, int], tuple[int, list[tu
 def install_gemm_configs() -> str:
     """Add ``VLLM_BI_GEMM_CONFIGS``'s table to vLLM's (idempotent per file). Returns :func:`table_digest`.
     Called before the Triton GEMM mode's first product, in the server and in the trainer alike."""
-    path = _path()
+    path = table_path()
     if path is None:
         return "none"
     if path in _installed:
