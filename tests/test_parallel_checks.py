@@ -159,3 +159,20 @@ def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():
     wrapped(runner, num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1,
             force_uniform_decode=True)  # vLLM capturing its graphs: left alone
     assert seen == [False, None, True]
+
+
+def test_hybrid_mode_pins_the_v1_model_runner(monkeypatch):
+    """vLLM 0.32 runs its V2 model runner on CUDA, where the hybrid mode's prompt lengths are not wired (found on
+    the H200, session 10): in the hybrid mode ``VllmConfig.use_v2_model_runner`` says False, and an explicit
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused by name."""
+    from vllm.config import VllmConfig
+
+    from vllm_bi.model_executor.patches import _v1_runner_only
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    assert _v1_runner_only(SimpleNamespace()) is False
+    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(_v1_runner_only))
+    assert VllmConfig.__new__(VllmConfig).use_v2_model_runner is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(BatchInvarianceConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        VllmConfig.__new__(VllmConfig).use_v2_model_runner

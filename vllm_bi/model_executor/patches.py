@@ -374,14 +374,37 @@ def _patch_prompt_lens() -> None:
     (``gdn.STEP_PROMPT_LENS``) before it builds a step's metadata. And with decode CUDA graphs, a step in which
     a request is still before its switch point is never replayed from a graph (captured steps run the
     recurrence only, ``gdn._build_plan``): vLLM counts one-token prompt chunks as uniform decodes."""
+    from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    if not getattr(VllmConfig.use_v2_model_runner.fget, "_vllm_bi", False):
+        _patch(VllmConfig, "use_v2_model_runner", property(_v1_runner_only))
     if not getattr(GPUModelRunner._build_attention_metadata, "_vllm_bi", False):
         _patch(GPUModelRunner, "_build_attention_metadata",
                _wrap_build_attention_metadata(GPUModelRunner._build_attention_metadata))
     if not getattr(GPUModelRunner._determine_batch_execution_and_padding, "_vllm_bi", False):
         _patch(GPUModelRunner, "_determine_batch_execution_and_padding",
                _wrap_batch_execution(GPUModelRunner._determine_batch_execution_and_padding))
+
+
+def _v1_runner_only(config) -> bool:
+    """``VllmConfig.use_v2_model_runner`` in the hybrid GDN mode: always False. vLLM 0.32 picks its V2 model
+    runner on CUDA (``vllm/v1/worker/gpu/``), and the hybrid mode's prompt lengths and graph guard are wired into
+    the V1 runner (``GPUModelRunner``, which the CPU runner also is); on the H200 the V2 runner started without
+    them and the GDN metadata builder refused the step (session 10). An explicit V2 request is refused."""
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
+        raise BatchInvarianceConfigError(
+            "vllm_bi: VLLM_BI_GDN_MODE=hybrid runs on vLLM's V1 model runner only, and VLLM_USE_V2_MODEL_RUNNER=1 "
+            "asks for the V2 one. Unset VLLM_USE_V2_MODEL_RUNNER or use VLLM_BI_GDN_MODE=chunk or recurrent.")
+    if not _v1_runner_only.said:
+        logger.info("vllm_bi: VLLM_BI_GDN_MODE=hybrid: vLLM's V1 model runner (the hybrid mode's prompt lengths "
+                    "are wired there)")
+        _v1_runner_only.said = True
+    return False
+
+
+_v1_runner_only._vllm_bi = True
+_v1_runner_only.said = False
 
 
 def _skip_qwen_gdn_warmup(runner, model_config) -> None:
