@@ -60,8 +60,14 @@ def test_chunk_rows_then_the_recurrence_from_the_boundary_state():
     assert torch.equal(o2, o_c2) and torch.equal(st2[0], bound2)
 
 
-def test_a_sequences_bits_do_not_depend_on_its_batch():
-    lens, splits = [170, 40, 128, 65, 1], [128, 0, 128, 64, 0]
+@pytest.mark.parametrize("lens,splits", [
+    ([170, 40, 128, 65, 1], [128, 0, 128, 64, 0]),  # mixed: rows gathered per arithmetic
+    ([128, 64, 100], [128, 64, 100]),  # whole prompts only (the op's no-gather path for every row chunked)
+    ([3, 1, 7], [0, 0, 0]),  # generated tokens only (the no-gather path for every row recurrent)
+])
+def test_a_sequences_bits_do_not_depend_on_its_batch(lens, splits):
+    """Each sequence alone (one-sequence calls, some of them the op's shortcut paths) gives the bits it has in
+    the batch."""
     x = _qkvgb(sum(lens), 1)
     gen = torch.Generator().manual_seed(2)
     states = torch.randn(len(lens), HV, V, K, generator=gen) * 0.1
@@ -70,6 +76,11 @@ def test_a_sequences_bits_do_not_depend_on_its_batch():
     for j in range(len(lens)):
         o_j, st_j = _hybrid(x, cu[j], cu[j + 1], states[j], splits[j])
         assert torch.equal(o[cu[j] : cu[j + 1]], o_j) and torch.equal(st[j], st_j[0]), f"sequence {j}"
+    # whole prompts: the first sequence again beside one that switches arithmetic (the general path), same bits
+    if len(lens) > 1 and splits[0] == lens[0] and lens[0] >= CHUNK:
+        o2, st2 = gdn_hybrid_varlen(*(torch.cat([t[: lens[0]], t[: CHUNK + 2]]) for t in x), states[[0, 1]],
+                                    [0, lens[0], lens[0] + CHUNK + 2], [lens[0], CHUNK])
+        assert torch.equal(o2[: lens[0]], o[: lens[0]]) and torch.equal(st2[0], st[0])
 
 
 def test_server_steps_give_the_trainer_bits():

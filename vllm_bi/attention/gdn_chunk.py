@@ -281,6 +281,13 @@ def gdn_hybrid_varlen(
         if not 0 <= c <= L or (c < L and c % CHUNK):
             raise ValueError(f"gdn_hybrid_varlen: sequence {j} has {L} rows and chunk_rows {c}: it must lie in "
                              f"[0, {L}] and, with recurrent rows after it, be a multiple of {CHUNK}")
+    whole = all(lens)  # no empty sequence (an empty one keeps its state: the general path below)
+    if whole and all(c == L for c, L in zip(chunk_rows, lens)):  # every row chunked (whole prompts): no gather, no scatter
+        o_c, bounds = gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)
+        return o_c.float(), bounds
+    if whole and not any(chunk_rows):  # every row recurrent (generated tokens)
+        o_r, ends = gdn_recurrent_varlen(q, k, v, g, beta, states, cu, scale)
+        return o_r.float(), ends
     dev = q.device
     T = v.shape[0]
     o = torch.zeros((T, *v.shape[1:]), dtype=torch.float32, device=dev)
