@@ -137,3 +137,34 @@ def test_hybrid_server_steps_equal_the_trainer_call():
     assert torch.equal(st, final)
     packed, _, cu = gdn_run(_hybrid(P), [_seq(90, 22), s, _seq(150, 23)])
     assert torch.equal(packed[cu[1] : cu[2]], whole)
+
+
+def test_chunk_forward_keeps_its_graph_with_the_no_grad_bits():
+    """The trainer's chunk-mode forward (``FLAGatedDeltaRule`` kind "chunk") runs under autograd and keeps
+    fla-core's graph, so the backward does not recompute it: its outputs equal the no-gradient call's (the
+    server's) bit for bit, and its gradients equal those of the recompute path."""
+    from vllm_bi.attention import gdn_recurrent as gr
+
+    T, cu = 200, torch.tensor([0, 70, 200], device=DEV)
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, T, H, K, generator=gen).bfloat16().to(DEV) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen).bfloat16().to(DEV)
+    g = (-torch.rand(1, T, HV, generator=gen)).to(DEV)
+    beta = torch.rand(1, T, HV, generator=gen).to(DEV)
+    h0 = (torch.randn(2, HV, K, V, generator=gen) * 0.1).to(DEV)
+    scale = K ** -0.5
+    with torch.no_grad():
+        o_ng, ht_ng = gr.FLAGatedDeltaRule.apply("chunk", q, k, v, g, beta, h0, cu, scale)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
+    o, ht = gr.FLAGatedDeltaRule.apply("chunk", *leaves, cu, scale)
+    assert torch.equal(o, o_ng) and torch.equal(ht, ht_ng)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    try:
+        want = gr._recompute_grads(gr._FLA_FORWARDS["chunk"], q, k, v, g, beta, h0, cu, scale, do, dht)
+    except RuntimeError as e:
+        if gr._HOPPER_REFUSAL in str(e):
+            pytest.skip("fla-core refuses its chunked backward here (Hopper, Triton < 3.7.1, no tilelang)")
+        raise
+    got = torch.autograd.grad([o, ht], leaves, [do, dht])
+    for name, a, b in zip("q k v g beta h0".split(), got, want):
+        assert torch.equal(a, b), f"d/d{name}"

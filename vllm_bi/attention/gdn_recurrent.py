@@ -124,14 +124,24 @@ class FLAGatedDeltaRule(torch.autograd.Function):
     ``v [1, T, HV, V]``, ``g, beta [1, T, HV]``, ``h0 [N, HV, K, V]`` fp32, ``cu`` a LongTensor; l2norm of q
     and k in the kernel. Returns ``(o, final states)``.
 
-    Backward: recompute with fla-core's chunked kernel and differentiate it, or, where fla-core refuses its
+    Backward: fla-core's chunked backward. ``kind="chunk"`` keeps the forward's own autograd graph (fla-core's
+    forward is the same computation with or without gradients, so the bits are the server's) and differentiates
+    it; ``kind="recurrent"`` recomputes the forward with the chunked kernel first. Where fla-core refuses its
     chunked backward (Hopper with Triton < 3.7.1 and no tilelang), the same math in torch
     (:func:`gdn_torch_varlen`). Only the forward has to match the server bit for bit."""
 
     @staticmethod
     def forward(ctx, kind, q, k, v, g, beta, h0_kv, cu, scale):
-        with torch.no_grad():
-            o, ht = _FLA_FORWARDS[kind](q, k, v, g, beta, h0_kv, cu, scale)
+        ctx.graph = None
+        if kind == "chunk" and any(ctx.needs_input_grad[1:7]):
+            with torch.enable_grad():  # no recompute in the backward (session 10: 1x4K training profile)
+                leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0_kv)]
+                o, ht = _FLA_FORWARDS[kind](*leaves, cu, scale)
+            ctx.graph = (leaves, o, ht)
+            o, ht = o.detach(), ht.detach()
+        else:
+            with torch.no_grad():
+                o, ht = _FLA_FORWARDS[kind](q, k, v, g, beta, h0_kv, cu, scale)
         ctx.save_for_backward(q, k, v, g, beta, h0_kv, cu)
         ctx.scale = scale
         return o, ht
@@ -139,8 +149,12 @@ class FLAGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, beta, h0, cu = ctx.saved_tensors
+        graph, ctx.graph = ctx.graph, None
         try:
-            grads = _recompute_grads(_FLA_FORWARDS["chunk"], q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
+            if graph is not None:
+                grads = _graph_grads(*graph, do, dht)
+            else:
+                grads = _recompute_grads(_FLA_FORWARDS["chunk"], q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
         except RuntimeError as e:
             if _HOPPER_REFUSAL not in str(e):
                 raise
@@ -179,11 +193,16 @@ def _recompute_grads(fn, q, k, v, g, beta, h0, cu, scale, do, dht):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0)]
         o, ht = fn(*leaves, cu, scale)
-        outs, grads = [o], [do]
-        if dht is not None:
-            outs.append(ht)
-            grads.append(dht)
-        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    return _graph_grads(leaves, o, ht, do, dht)
+
+
+def _graph_grads(leaves, o, ht, do, dht):
+    """Gradients of a forward's (o, final state) w.r.t. its ``leaves``, through its autograd graph."""
+    outs, grads = [o], [do]
+    if dht is not None:
+        outs.append(ht)
+        grads.append(dht)
+    return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
 
 
 def _warn_fallback(e: Exception) -> None:
