@@ -6,7 +6,8 @@
     vllm-bi plot         PNG curves of a trainer run (python -m vllm_bi.trainer) from its metrics.jsonl
     vllm-bi diag         where server and trainer part: each decoder sub-module compared exactly
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
-    vllm-bi info         versions, the GDN / CUDA-op / GEMM modes, and whether vLLM finds the plugin
+    vllm-bi info         versions, the GDN / CUDA-op / GEMM / attention / MoE modes, GEMM tiles, CUDA graphs,
+                         and whether vLLM finds the plugin
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ def _cmd_info(args) -> int:
           f"GEMM mode ({GEMM_ENV}): {gemm_mode()}; attention op ({ATTENTION_ENV}): {on(attention_backend, 'cpu')} "
           f"on CPU, {on(attention_backend, 'cuda')} on CUDA; MoE experts ({MOE_ENV}): {on(moe_backend, 'cpu')} on "
           f"CPU, {on(moe_backend, 'cuda')} on CUDA")
+    from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, cuda_graphs_requested
+    from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, table_path
+
+    def setting(fn):
+        try:
+            return fn()
+        except ValueError as e:  # a bad value: the server refuses it at start; say why here too
+            return f"refused ({e})"
+
+    tiles = setting(table_path)
+    graphs = setting(cuda_graphs_requested)
+    print(f"GEMM tiles ({GEMM_CONFIGS_ENV}): {tiles or 'vLLM defaults'}; CUDA graphs ({GRAPHS_ENV}): "
+          f"{'decode' if graphs is True else 'off' if graphs is False else graphs}")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1
