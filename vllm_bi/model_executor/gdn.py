@@ -298,19 +298,34 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
     D, HV = mixed_qkv.shape[1], a.shape[1]
     N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
     ix = _chunk_index(plan, R, W, mixed_qkv.device)
-    raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
-    # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw_new] in one index each
-    src = torch.cat([hist.reshape(N * R, hist.shape[2]), raw_new.to(hist.dtype)])
-    conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
-    blk = src[ix.block_rows]
-    new_hist = src[ix.hist_rows].reshape(N, R, -1)
+    hist_rows = hist.reshape(N * R, hist.shape[2])
+    if ix.direct is not None:
+        # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
+        # used where they lie; the small conv and history gathers read src without it being built
+        T = ix.direct
+        parts = (mixed_qkv[:T].to(hist.dtype), a[:T].to(mixed_qkv.dtype).to(hist.dtype),
+                 b[:T].to(mixed_qkv.dtype).to(hist.dtype))
+        conv0 = _take(hist_rows, parts, ix.conv_rows)[:, :D].reshape(N, W - 1, D)
+        new_hist = _take(hist_rows, parts, ix.hist_rows).reshape(N, R, -1)
+        qkv_blk, a_blk, b_blk = parts
+    else:
+        raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
+        # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw_new] in one index each
+        src = torch.cat([hist_rows, raw_new.to(hist.dtype)])
+        conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
+        blk = src[ix.block_rows]
+        new_hist = src[ix.hist_rows].reshape(N, R, -1)
+        qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
     hybrid = plan.chunk_rows is not None
     o, _, finals = gdn_varlen(
-        blk[:, :D], ix.ranges, weight, conv0, layer.A_log, blk[:, D : D + HV], blk[:, D + HV :],
+        qkv_blk, ix.ranges, weight, conv0, layer.A_log, a_blk, b_blk,
         layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
         layer.activation, mode="hybrid" if hybrid else "chunk", packed=True, chunk_rows=plan.chunk_rows,
     )
-    out[plan.rows] = o[ix.keep_rows].to(out.dtype)
+    if ix.direct is not None:  # every packed row is a new token, in the step's order
+        out[: ix.direct].copy_(o)
+    else:
+        out[plan.rows] = o[ix.keep_rows].to(out.dtype)
     # a request that reached no new block boundary gets back its input state, bit for bit: its slot already
     # holds it (unless it is new), so only the others are stored (at decode, about 1 request in CHUNK)
     if ix.store is None:
@@ -349,17 +364,26 @@ def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, 
         conv_cache[plan.slot_t, tail, :D] = new_conv
 
 
+def _take(hist_rows: torch.Tensor, parts: tuple[torch.Tensor, ...], idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``src = [hist_rows; cat(parts, -1)]`` (:class:`_ChunkIndex`'s row numbering) without
+    building ``src``: each part and the histories are gathered at ``idx`` (clamped) and the right one kept."""
+    nr = hist_rows.shape[0]
+    new = torch.cat([p[(idx - nr).clamp(min=0)] for p in parts], dim=-1)
+    return torch.where((idx >= nr)[:, None], new, hist_rows[idx.clamp(max=nr - 1)])
+
+
 class _ChunkIndex:
     """The chunk mode's gathers for one step (the same for every GDN layer): rows of ``src = [all histories;
     new raw rows]`` for each request's conv state before its partial block (``conv_rows``), its partial
     block's cached rows then its new rows (``block_rows``; packed ``ranges``), its new history
     (``hist_rows``), the rows of the packed output that are new tokens (``keep_rows``), and the requests whose
     boundary state must be stored (``store``: new ones and those that reached a new block boundary; None:
-    every request)."""
+    every request). ``direct``: when no request re-runs cached rows and the requests' rows are the step's first
+    ``direct`` rows in order, that count (the block rows are then the new rows where they lie), else None."""
 
-    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows, store):
+    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows, store, direct=None):
         self.conv_rows, self.block_rows, self.hist_rows = conv_rows, block_rows, hist_rows
-        self.ranges, self.keep_rows, self.store = ranges, keep_rows, store
+        self.ranges, self.keep_rows, self.store, self.direct = ranges, keep_rows, store, direct
 
 
 def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
@@ -395,8 +419,10 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
     parts = [spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R)),
              keep_rows, store]
     dev_parts = host_to(torch.cat(parts), dev).split([p_.numel() for p_ in parts])
+    in_order = ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(N - 1))
+    direct = ranges[-1][1] if in_order and not any(redo) else None
     ix = _ChunkIndex(dev_parts[0], dev_parts[1], dev_parts[2], [(bounds[j], bounds[j + 1]) for j in range(N)],
-                     dev_parts[3], None if store.numel() == N else dev_parts[4])
+                     dev_parts[3], None if store.numel() == N else dev_parts[4], direct)
     plan.chunk[key] = ix
     return ix
 
