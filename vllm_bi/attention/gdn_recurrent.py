@@ -517,15 +517,17 @@ def gdn_varlen(
     cu = [0]
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
-    rows = rows_of(ranges, a.device)
-    contiguous = all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1))
-    x_in = mixed_qkv[ranges[0][0] : ranges[-1][1]] if contiguous else mixed_qkv[rows]
+    if all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1)):  # packed in order: views
+        x_in, a, b = (t[ranges[0][0] : ranges[-1][1]] for t in (mixed_qkv, a, b))
+    else:
+        rows = rows_of(ranges, a.device)
+        x_in, a, b = mixed_qkv[rows], a[rows], b[rows]
     x, new_conv = causal_conv1d_varlen(x_in, cu, conv_weight, conv_states, activation)
     T = x.shape[0]
     q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
-    g, beta = gdn_gating(A_log, a[rows], b[rows], dt_bias)
+    g, beta = gdn_gating(A_log, a, b, dt_bias)
     if mode == "chunk":
         from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen as core
     elif mode == "recurrent":
