@@ -25,7 +25,7 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
     ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
-  forward in each mode and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
+  forward in each mode (hybrid: the first half of each sequence is its prompt) and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
   (Hopper with Triton < 3.7.1 and no tilelang).
 
@@ -96,7 +96,13 @@ def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode
     for n in lens:
         ranges.append((s, s + n))
         s += n
-    return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode)
+    chunk_rows = None
+    if mode == "hybrid":  # an RL sample: the first half of each sequence is its prompt (switch at its last boundary)
+        from vllm_bi.attention.gdn_chunk import hybrid_chunk_rows
+
+        chunk_rows = [hybrid_chunk_rows(n // 2, 0, n) for n in lens]
+    return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode,
+                      chunk_rows=chunk_rows)
 
 
 def bi_kernel(lens, q, k, v, g, beta, states, mode):
@@ -196,7 +202,7 @@ def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float
 
 
 def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, str]:
-    """fwd+bwd milliseconds and the backward path; ``mode`` stock | recurrent | chunk."""
+    """fwd+bwd milliseconds and the backward path; ``mode`` stock | recurrent | chunk | hybrid."""
     from vllm_bi.attention import gdn_recurrent as gr
 
     N = len(lens)
@@ -291,13 +297,16 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
         print(f"[train] stock {label}: {_ms(stock[label][0])} ms ({time.time() - t0:.0f} s with compiles)",
               flush=True)
     tuned = _autotuned()
-    rep.add("| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | backward (stock; recurrent; chunk) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    rep.add("Hybrid: each sequence's first half is its prompt (chunk rows up to its last 64-token boundary), the "
+            "rest its completion (recurrent rows), as in an RL sample.", "",
+            "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | hybrid BI | ratio | "
+            "backward (stock; recurrent; chunk; hybrid) |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for label, lens in train:
-        (ts, ps), (tr, pr), (tc, pc) = stock[label], time_train(lens, "recurrent", dev, reps), \
-            time_train(lens, "chunk", dev, reps)
+        (ts, ps), (tr, pr), (tc, pc), (th, ph) = stock[label], time_train(lens, "recurrent", dev, reps), \
+            time_train(lens, "chunk", dev, reps), time_train(lens, "hybrid", dev, reps)
         rep.add(f"| {label} | {_ms(ts)} | {_ms(tr)} | {_ratio(tr, ts)} | {_ms(tc)} | {_ratio(tc, ts)} | "
-                f"{ps}; {pr}; {pc} |")
+                f"{_ms(th)} | {_ratio(th, ts)} | {ps}; {pr}; {pc}; {ph} |")
     _configs(rep, tuned)
 
 
