@@ -54,6 +54,16 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def model_runner(hybrid: bool, environ) -> str:
+    """Which vLLM model runner a row's server used: the hybrid GDN mode pins V1; otherwise
+    ``VLLM_USE_V2_MODEL_RUNNER`` or vLLM's own choice (V2 on CUDA, V1 on CPU). Rows on different runners are not
+    like for like (session 10)."""
+    if hybrid:
+        return "V1 (pinned by the hybrid mode)"
+    value = (environ.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    return {"1": "V2", "true": "V2", "0": "V1", "false": "V1"}.get(value, "vLLM's choice (V2 on CUDA)")
+
+
 def conflicts(modes: list[str], environ) -> list[str]:
     """Settings a BI mode would set against the environment's own value (say ``VLLM_BI_GEMM=fp64`` in the
     environment and ``--modes chunk-triton``): the run would time something else than what was asked."""
@@ -151,8 +161,8 @@ def main() -> int:
             "", "BI modes' settings from the environment (the mode's own columns below override none of them): "
             + ", ".join(f"{k}={os.environ.get(k) or '(unset)'}" for k in SETTINGS), "",
             "| mode | GDN mode | GEMM | prefill tok/s | x slower than stock | generate tok/s | x slower than stock | "
-            "prefill wall s (runs) | generate wall s (runs) |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+            "prefill wall s (runs) | generate wall s (runs) | model runner |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |"]
     rows: list[str] = []
     ref = None
 
@@ -171,6 +181,7 @@ def main() -> int:
         env = cpu_env(bi, extra_env)
         gdn = (env.get("VLLM_BI_GDN_MODE") or "recurrent") if bi else "stock"
         gemm = (env.get("VLLM_BI_GEMM") or "fp64") if bi else "cuBLAS"
+        runner = model_runner(bi and gdn == "hybrid", env)
         t0 = time.time()
         print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)
         try:
@@ -179,7 +190,7 @@ def main() -> int:
                 print(f"[bench] {mode}: up in {time.time() - t0:.0f} s", flush=True)
                 r = measure(srv, args.requests, args.prompt_len, args.max_tokens, vocab, args.repeats)
         except Exception as e:  # noqa: BLE001 - recorded in the table, the next mode still runs
-            rows.append(f"| {mode} | {gdn} | {gemm} | error: {str(e).splitlines()[0][:120]} | | | | | |")
+            rows.append(f"| {mode} | {gdn} | {gemm} | error: {str(e).splitlines()[0][:120]} | | | | | | {runner} |")
             print(f"[bench] {mode} failed: {e}", flush=True)
             write()
             continue
@@ -190,7 +201,7 @@ def main() -> int:
         slow_g = f"{ref['generate']['tok_s'] / gen['tok_s']:.2f}" if ref else "n/a"
         runs = {k: " ".join(f"{w:.2f}" for w in r[k]["walls"]) for k in ("prefill", "generate")}
         rows.append(f"| {mode} | {gdn} | {gemm} | {pre['tok_s']:.0f} | {slow_p} | {gen['tok_s']:.0f} | {slow_g} | "
-                    f"{pre['wall_s']:.2f} ({runs['prefill']}) | {gen['wall_s']:.2f} ({runs['generate']}) |")
+                    f"{pre['wall_s']:.2f} ({runs['prefill']}) | {gen['wall_s']:.2f} ({runs['generate']}) | {runner} |")
         print(rows[-1], flush=True)
         write()
     print("\n".join(head + rows))

@@ -32,6 +32,7 @@ def test_generate_throughput_writes_a_measured_row(tmp_path):
     prefill_tok_s, gen_tok_s = float(cells[3]), float(cells[5])
     assert prefill_tok_s > 0 and gen_tok_s > 0, row
     assert len(cells[7].split("(")[1].split()) == 2, row  # two measured prefill runs, their median reported
+    assert cells[9] == "vLLM's choice (V2 on CUDA)", row  # the model runner: rows on other runners are not like for like
     assert "command: " in text and re.search(r"3 concurrent requests, 24-token prompts, 5 generated", text)
     assert "median of 2 runs" in text
     assert "VLLM_BI_CUDA_GRAPHS=" in text and "VLLM_BI_GEMM=(unset)" in text
