@@ -42,6 +42,7 @@ MOE_ENV = "VLLM_BI_MOE"
 BLOCK_M = 16  # (token, expert) pairs per program
 BLOCK_N = 64
 BLOCK_K = 64
+BLOCK_K_EXACT = 8  # the float64 kernel's K step: its products live in registers, BLOCK_M x BLOCK_K x BLOCK_N
 NUM_WARPS = 4
 NUM_STAGES = 3
 
@@ -100,8 +101,10 @@ def _kernel():
                     bt = tl.load(w_ptr + e * swe + n[None, :] * swn + (k0 + kk)[:, None] * swk,
                                  mask=mk[:, None] & mn[None, :], other=0.0)
                     if EXACT:  # bf16 products are exact in float64 (the loop path's float64 GEMM's arithmetic)
-                        # out_dtype: Triton compiles a float64 accumulator only when told (session 9 on the H200)
-                        acc = tl.dot(a.to(tl.float64), bt.to(tl.float64), acc, out_dtype=tl.float64)
+                        # summed without tl.dot: Triton 3.6 does not lower a float64 tl.dot on the H200 ("fp64 don't
+                        # support largeK MMA", session 10)
+                        prod = a.to(tl.float64)[:, :, None] * bt.to(tl.float64)[None, :, :]
+                        acc += tl.sum(prod, axis=1)
                     elif DOT_F32:
                         acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc)
                     else:
@@ -152,7 +155,7 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
 
         _kernel()[(blk_e.numel(), triton.cdiv(N, BLOCK_N))](
             x, w, y, rows, blk_e, blk_s, blk_c, N, K, x.stride(0), *w.stride(), y.stride(0), BM=BLOCK_M, BN=BLOCK_N,
-            BK=BLOCK_K, EXACT=exact, DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            BK=BLOCK_K_EXACT if exact else BLOCK_K, EXACT=exact, DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
 
 
