@@ -28,6 +28,10 @@ the server's setting). The default is ``auto``: on the H200 the kernel is exact 
 == server path), takes 0.5-4x SDPA's time against the torch op's 26-4600x, and served models through it gave the
 trainer's bits on every token (qwen3.5, qwen3.5-moe, 9b-dims, the chunk GDN mode, 4 RL steps at 0.0; session 8,
 ``docs/results/2026-11-30-h200-session8.md``).
+
+On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products summed per row without
+``tl.dot``: the interpreter's bf16 ``tl.dot`` is wrong, and its fp32 one is numpy's matmul, whose row results can
+depend on the row's place in the tile (OpenBLAS 0.3.30; ``vllm_bi.ops.moe_triton``'s module doc).
 """
 
 from __future__ import annotations
@@ -110,8 +114,8 @@ def _kernel():
                 base = blk * stride_blk + kvh * stride_head + (j % block_size) * stride_tok
                 k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kj[:, None], other=0.0)
                 v = tl.load(kv_ptr + base[:, None] + D + d[None, :], mask=kj[:, None], other=0.0)
-                if DOT_F32:  # Triton's CPU interpreter: its bf16 tl.dot is wrong; fp32 holds bf16 products exactly
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+                if DOT_F32:  # Triton's CPU interpreter: products summed per row (module doc)
+                    s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
                 else:
                     s = tl.dot(q, tl.trans(k)) * scale
                 s = tl.where(j[None, :] <= pos[:, None], s, float("-inf"))
@@ -120,7 +124,8 @@ def _kernel():
                 p = tl.exp(s - m_new[:, None])  # masked -> exactly 0
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 if DOT_F32:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+                    pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]
+                    acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new

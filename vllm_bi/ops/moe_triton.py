@@ -26,8 +26,10 @@ activation dtype, scaled by its routing weight in fp32, the top-k outputs summed
 list and rounded once.
 
 Backward (the trainer): the loop path's autograd, recomputed (gradients need accuracy, not the forward's bits).
-On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products: the interpreter's bf16
-``tl.dot`` is wrong.
+On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products summed per row without
+``tl.dot``: the interpreter's bf16 ``tl.dot`` is wrong, and its fp32 one is numpy's matmul, whose row results
+depend on the row's place in the tile under some OpenBLAS builds (numpy 2.3.5 with OpenBLAS 0.3.30: all 16
+rows of a 16 x 64 x 64 product differed from the row alone), which broke trainer == server on CPU (session 10).
 """
 
 from __future__ import annotations
@@ -105,8 +107,8 @@ def _kernel():
                         # support largeK MMA", session 10)
                         prod = a.to(tl.float64)[:, :, None] * bt.to(tl.float64)[None, :, :]
                         acc += tl.sum(prod, axis=1)
-                    elif DOT_F32:
-                        acc = tl.dot(a.to(tl.float32), bt.to(tl.float32), acc)
+                    elif DOT_F32:  # Triton's CPU interpreter: products summed per row (module doc)
+                        acc += tl.sum(a.to(tl.float32)[:, :, None] * bt.to(tl.float32)[None, :, :], axis=1)
                     else:
                         acc = tl.dot(a, bt, acc)
                 tl.store(y_ptr + (start + m)[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty),
