@@ -1,5 +1,5 @@
 """Benchmark: one GDN layer core at Qwen3.5-9B dimensions (16 key / 32 value heads of dim 128, conv width 4),
-stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invariant modes, on CUDA.
+stock (non-batch-invariant) vs vllm_bi's recurrent, chunk-aligned and hybrid batch-invariant modes, on CUDA.
 
     python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick] [--rows decode]
     python benchmarks/gdn_layer.py --part train [--out train.md]
