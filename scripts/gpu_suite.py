@@ -78,9 +78,11 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                "--max-tokens", "12", "--tensorboard", "false", "--progress", "false",
                "--server-args", f"--max-num-batched-tokens 256 --max-num-seqs 32 {MEM}"]
     long_task = ["--task", long_prompts(models), "--reward", "contains"]
+    # the fast settings (tuned Triton GEMM with the shipped H200 table + decode graphs): _parity's arguments, and
+    # the same as a trainer job's environment
     fast = {"gemm": "triton", "graphs": "decode", "tiles": "h200-qwen3.5-9b"}
     fast_name = "triton GEMM h200 tiles + graphs"
-    fast_env = {"VLLM_BI_GEMM": "triton", "VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b", "VLLM_BI_CUDA_GRAPHS": "decode"}
+    fast_env = {"VLLM_BI_GEMM": fast["gemm"], "VLLM_BI_GEMM_CONFIGS": fast["tiles"], "VLLM_BI_CUDA_GRAPHS": fast["graphs"]}
     return {
         "parity-own": [_parity(f"parity own-ops {k}", m[k]) for k in ("qwen3.5", "qwen3-next", "qwen3.5-moe")],
         "parity-own-big": [_parity("parity own-ops qwen3.5 9b-dims", m["qwen3.5-9b"], max_tokens=16),
@@ -174,14 +176,10 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         # the fast settings together: tuned Triton GEMM (the H200 table shipped with vllm_bi) + decode CUDA graphs,
         # and an RL trainer (backward) against a server run so
         "fast": [
-            _parity("parity fast (triton GEMM h200 tiles + graphs) qwen3.5", m["qwen3.5"], gemm="triton",
-                    graphs="decode", tiles="h200-qwen3.5-9b"),
-            _parity("parity fast (triton GEMM h200 tiles + graphs) qwen3.5 9b-dims", m["qwen3.5-9b"], gemm="triton",
-                    graphs="decode", tiles="h200-qwen3.5-9b", max_tokens=16),
-            Job("trainer 1 GPU fast (triton GEMM h200 tiles + graphs) qwen3.5", "trainer",
-                [sys.executable, *trainer, "--model", m["qwen3.5"]],
-                {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GEMM": "triton", "VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b",
-                 "VLLM_BI_CUDA_GRAPHS": "decode"})],
+            _parity(f"parity fast ({fast_name}) qwen3.5", m["qwen3.5"], **fast),
+            _parity(f"parity fast ({fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], max_tokens=16, **fast),
+            Job(f"trainer 1 GPU fast ({fast_name}) qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
+                {"VLLM_BI_CUDA_OPS": "vllm_bi", **fast_env})],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],
