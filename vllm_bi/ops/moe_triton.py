@@ -158,7 +158,8 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
         _kernel()[(blk_e.numel(), triton.cdiv(N, BLOCK_N))](
             x, w, y, rows, blk_e, blk_s, blk_c, N, K, x.stride(0), *w.stride(), y.stride(0), BM=BLOCK_M, BN=BLOCK_N,
             # the interpreter (CPU) keeps BLOCK_K for float64 too: 8x fewer interpreted steps
-            BK=BLOCK_K_EXACT if exact and x.device.type == "cuda" else BLOCK_K, EXACT=exact, DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            BK=BLOCK_K_EXACT if exact and x.device.type == "cuda" else BLOCK_K, EXACT=exact,
+            DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
 
 
