@@ -299,19 +299,18 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
     N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
     ix = _chunk_index(plan, R, W, mixed_qkv.device)
     hist_rows = hist.reshape(N * R, hist.shape[2])
+    # the raw rows [mixed_qkv | a | b] as the history stores them (a and b through mixed_qkv's dtype first)
+    T = mixed_qkv.shape[0] if ix.direct is None else ix.direct
+    raw = [t[:T].to(mixed_qkv.dtype).to(hist.dtype) for t in (mixed_qkv, a, b)]
     if ix.direct is not None:
         # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
         # used where they lie; the small conv and history gathers read src without it being built
-        T = ix.direct
-        parts = (mixed_qkv[:T].to(hist.dtype), a[:T].to(mixed_qkv.dtype).to(hist.dtype),
-                 b[:T].to(mixed_qkv.dtype).to(hist.dtype))
-        conv0 = _take(hist_rows, parts, ix.conv_rows)[:, :D].reshape(N, W - 1, D)
-        new_hist = _take(hist_rows, parts, ix.hist_rows).reshape(N, R, -1)
-        qkv_blk, a_blk, b_blk = parts
+        conv0 = _take(hist_rows, raw, ix.conv_rows)[:, :D].reshape(N, W - 1, D)
+        new_hist = _take(hist_rows, raw, ix.hist_rows).reshape(N, R, -1)
+        qkv_blk, a_blk, b_blk = raw
     else:
-        raw_new = torch.cat([mixed_qkv, a.to(mixed_qkv.dtype), b.to(mixed_qkv.dtype)], dim=-1)
-        # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw_new] in one index each
-        src = torch.cat([hist_rows, raw_new.to(hist.dtype)])
+        # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw rows] in one index each
+        src = torch.cat([hist_rows, torch.cat(raw, dim=-1)])
         conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
         blk = src[ix.block_rows]
         new_hist = src[ix.hist_rows].reshape(N, R, -1)

@@ -88,7 +88,7 @@ def _kernel():
                                    stride_blk, stride_head, stride_tok,
                                    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                                    GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   DOT_F32: tl.constexpr):
+                                   ROW_SUMS: tl.constexpr):
             t = tl.program_id(0).to(tl.int64)
             kvh = tl.program_id(1)
             seq = tl.load(tile_ptr + t * 4).to(tl.int64)
@@ -114,7 +114,7 @@ def _kernel():
                 base = blk * stride_blk + kvh * stride_head + (j % block_size) * stride_tok
                 k = tl.load(kv_ptr + base[:, None] + d[None, :], mask=kj[:, None], other=0.0)
                 v = tl.load(kv_ptr + base[:, None] + D + d[None, :], mask=kj[:, None], other=0.0)
-                if DOT_F32:  # Triton's CPU interpreter: products summed per row (module doc)
+                if ROW_SUMS:  # Triton's CPU interpreter: products summed per row (module doc)
                     s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
                 else:
                     s = tl.dot(q, tl.trans(k)) * scale
@@ -123,7 +123,7 @@ def _kernel():
                 alpha = tl.exp(m_i - m_new)
                 p = tl.exp(s - m_new[:, None])  # masked -> exactly 0
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                if DOT_F32:
+                if ROW_SUMS:
                     pv = p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :]
                     acc = acc * alpha[:, None] + tl.sum(pv, axis=1)
                 else:
@@ -174,7 +174,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor
         _kernel()[(tiles.shape[0], hkv)](
             q.contiguous(), out, kv_cache, table.contiguous(), tiles, float(scale), bs, table.shape[1],
             *kv_cache.stride()[:3], H=H, HKV=hkv, D=D, G=H // hkv, GP=gp, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-            DOT_F32=q.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            ROW_SUMS=q.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return out
 
 

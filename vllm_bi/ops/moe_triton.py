@@ -9,10 +9,10 @@ upper bound of blocks (empty blocks do nothing). No value goes to the host, so a
 a CUDA graph.
 
 Why a pair's bits do not depend on the batch: a pair's output row is ``x_row @ W_e^T`` computed by one program
-that accumulates ``tl.dot`` over ``K`` in ``BLOCK_K`` steps in a fixed order; the other rows of its block (other
-tokens routed to the same expert, or masked padding) are other rows of the same matrix product and do not enter
-its sums. The block sizes, warps and stages below are module constants: part of the arithmetic, the same in the
-server and the trainer. Two arithmetics:
+that accumulates over ``K`` in ``BLOCK_K`` steps in a fixed order (``tl.dot``, or per-row sums of products); the
+other rows of its block (other tokens routed to the same expert, or masked padding) are other rows of the same
+matrix product and do not enter its sums. The block sizes, warps and stages below are module constants: part of
+the arithmetic, the same in the server and the trainer. Two arithmetics:
 
 * ``exact``: products and sums in float64, exact for bf16 operands (as :func:`vllm_bi.ops.linear.bi_linear`'s
   float64 GEMM), then rounded by torch as the loop path rounds. The bits are the float64 loop path's, so a server
@@ -80,7 +80,7 @@ def _kernel():
         @triton.jit
         def grouped_linear_kernel(x_ptr, w_ptr, y_ptr, rows_ptr, blk_e_ptr, blk_s_ptr, blk_c_ptr, N, K,
                                   sx, swe, swn, swk, sy, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                  EXACT: tl.constexpr, DOT_F32: tl.constexpr):
+                                  EXACT: tl.constexpr, ROW_SUMS: tl.constexpr):
             b = tl.program_id(0)
             count = tl.load(blk_c_ptr + b)
             if count > 0:
@@ -102,13 +102,12 @@ def _kernel():
                                 other=0.0)
                     bt = tl.load(w_ptr + e * swe + n[None, :] * swn + (k0 + kk)[:, None] * swk,
                                  mask=mk[:, None] & mn[None, :], other=0.0)
-                    if EXACT:  # bf16 products are exact in float64 (the loop path's float64 GEMM's arithmetic)
-                        # summed without tl.dot: Triton 3.6 does not lower a float64 tl.dot on the H200 ("fp64 don't
-                        # support largeK MMA", session 10)
-                        prod = a.to(tl.float64)[:, :, None] * bt.to(tl.float64)[None, :, :]
-                        acc += tl.sum(prod, axis=1)
-                    elif DOT_F32:  # Triton's CPU interpreter: products summed per row (module doc)
-                        acc += tl.sum(a.to(tl.float32)[:, :, None] * bt.to(tl.float32)[None, :, :], axis=1)
+                    if EXACT or ROW_SUMS:
+                        # products summed per row without tl.dot, in the accumulator's dtype. EXACT: bf16 products are
+                        # exact in float64 (the loop path's float64 GEMM's arithmetic), and Triton 3.6 does not lower
+                        # a float64 tl.dot on the H200 ("fp64 don't support largeK MMA", session 10). ROW_SUMS:
+                        # Triton's CPU interpreter (module doc)
+                        acc += tl.sum(a.to(acc.dtype)[:, :, None] * bt.to(acc.dtype)[None, :, :], axis=1)
                     else:
                         acc = tl.dot(a, bt, acc)
                 tl.store(y_ptr + (start + m)[:, None] * sy + n[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -159,7 +158,7 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
             x, w, y, rows, blk_e, blk_s, blk_c, N, K, x.stride(0), *w.stride(), y.stride(0), BM=BLOCK_M, BN=BLOCK_N,
             # the interpreter (CPU) keeps BLOCK_K for float64 too: 8x fewer interpreted steps
             BK=BLOCK_K_EXACT if exact and x.device.type == "cuda" else BLOCK_K, EXACT=exact,
-            DOT_F32=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            ROW_SUMS=x.device.type != "cuda", num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     return y
 
 
