@@ -268,10 +268,10 @@ def gdn_hybrid_varlen(
 
     A sequence with recurrent rows must have whole blocks of chunk rows (``chunk_rows[j] % CHUNK == 0``): the
     recurrence then starts from a boundary state, which the chunk arithmetic gives exactly. Returns
-    ``(o [T, HV, V] fp32, states [N, HV, V, K] fp32)``: a sequence's state after its last row when it has
-    recurrent rows or ends on a boundary, else its last boundary state (what the chunk mode keeps). Every
-    output row is the one its arithmetic gives alone (fp32 holds each side's output exactly), so a token's
-    bits do not depend on where the other sequences switch. Differentiable."""
+    ``(o [T, HV, V], states [N, HV, V, K] fp32)``: a sequence's state after its last row when it has
+    recurrent rows or ends on a boundary, else its last boundary state (what the chunk mode keeps). ``o`` is fp32
+    on CPU and ``v.dtype`` on CUDA, as both arithmetics give it. Every output row is the one its arithmetic
+    gives alone, so a token's bits do not depend on where the other sequences switch. Differentiable."""
     cu = [int(x) for x in cu_seqlens]
     n = len(cu) - 1
     lens = [cu[j + 1] - cu[j] for j in range(n)]
@@ -283,14 +283,11 @@ def gdn_hybrid_varlen(
                              f"[0, {L}] and, with recurrent rows after it, be a multiple of {CHUNK}")
     whole = all(lens)  # no empty sequence (an empty one keeps its state: the general path below)
     if whole and all(c == L for c, L in zip(chunk_rows, lens)):  # every row chunked (whole prompts): no gather, no scatter
-        o_c, bounds = gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)
-        return o_c.float(), bounds
+        return gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)
     if whole and not any(chunk_rows):  # every row recurrent (generated tokens)
-        o_r, ends = gdn_recurrent_varlen(q, k, v, g, beta, states, cu, scale)
-        return o_r.float(), ends
+        return gdn_recurrent_varlen(q, k, v, g, beta, states, cu, scale)
     dev = q.device
     T = v.shape[0]
-    o = torch.zeros((T, *v.shape[1:]), dtype=torch.float32, device=dev)
     mid = states
     parts = []  # (packed row indices, their outputs)
     cseq = [j for j in range(n) if chunk_rows[j]]
@@ -306,8 +303,11 @@ def gdn_hybrid_varlen(
         o_r, ends = gdn_recurrent_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], mid[rseq], rcu, scale)
         finals = mid.index_copy(0, index_on(rseq, dev), ends)
         parts.append((rows, o_r))
+    # both arithmetics give o in one dtype (fp32 on CPU, v.dtype on CUDA), so rows are copied as they are
+    dtype = parts[0][1].dtype if parts else (v.dtype if v.is_cuda else torch.float32)  # no parts: empty sequences
+    o = torch.zeros((T, *v.shape[1:]), dtype=dtype, device=dev)
     for rows, o_part in parts:
-        o = o.index_copy(0, rows, o_part.float())
+        o.index_copy_(0, rows, o_part)
     return o, finals
 
 
