@@ -27,7 +27,9 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
   forward in each mode (hybrid: the first half of each sequence is its prompt) and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
-  (Hopper with Triton < 3.7.1 and no tilelang).
+  (Hopper with Triton < 3.7.1 and no tilelang). Each row has the step's wall time and its GPU time (kernels and
+  copies, torch.profiler): the step is host-bound at these sizes, so the wall ratio moves with host noise
+  (session 11: chunk 4x1K 1.13x then 1.56x in consecutive runs on one machine) while the GPU time does not.
 
 * layer (``--part layer``): in-projections + core + out-projection (no gated output norm), stock = cuBLAS
   bf16 GEMMs + the stock core, BI = ``bi_linear`` (float64, or ``VLLM_BI_GEMM=triton``) + ``gdn_varlen``.
@@ -45,7 +47,7 @@ import time
 
 import torch
 
-from common import timed
+from common import gpu_ms, timed
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
 KEY, VAL = H * K, HV * V
@@ -201,8 +203,9 @@ def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float
     return t_kernel, t_core
 
 
-def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, str]:
-    """fwd+bwd milliseconds and the backward path; ``mode`` stock | recurrent | chunk | hybrid."""
+def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, float | None, str]:
+    """fwd+bwd milliseconds (wall, then GPU time: :func:`common.gpu_ms`) and the backward path; ``mode`` stock |
+    recurrent | chunk | hybrid."""
     from vllm_bi.attention import gdn_recurrent as gr
 
     N = len(lens)
@@ -226,8 +229,8 @@ def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float |
     try:
         t = timed(step, reps, warmup=1)
     except RuntimeError as e:  # fla-core refuses its chunked backward on Hopper with Triton < 3.7.1, no tilelang
-        return None, "refused: " + str(e).splitlines()[0][:60]
-    return t, "torch recurrence" if gr._warned_fallback else "fla chunked"
+        return None, None, "refused: " + str(e).splitlines()[0][:60]
+    return t, gpu_ms(step), "torch recurrence" if gr._warned_fallback else "fla chunked"
 
 
 def _autotuned() -> str:
@@ -298,15 +301,19 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
               flush=True)
     tuned = _autotuned()
     rep.add("Hybrid: each sequence's first half is its prompt (chunk rows up to its last 64-token boundary), the "
-            "rest its completion (recurrent rows), as in an RL sample.", "",
+            "rest its completion (recurrent rows), as in an RL sample. Wall: CUDA events around the step (host "
+            "time included: at these sizes the step is host-bound and the wall ratio follows host noise). GPU: "
+            "the kernels' and copies' device time per step (torch.profiler), host gaps excluded.", "",
             "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | hybrid BI | ratio | "
+            "GPU ms: stock | recurrent | ratio | chunk | ratio | hybrid | ratio | "
             "backward (stock; recurrent; chunk; hybrid) |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+            "| --- |" + " ---: |" * 14 + " --- |")
     for label, lens in train:
-        (ts, ps), (tr, pr), (tc, pc), (th, ph) = stock[label], time_train(lens, "recurrent", dev, reps), \
-            time_train(lens, "chunk", dev, reps), time_train(lens, "hybrid", dev, reps)
-        rep.add(f"| {label} | {_ms(ts)} | {_ms(tr)} | {_ratio(tr, ts)} | {_ms(tc)} | {_ratio(tc, ts)} | "
-                f"{_ms(th)} | {_ratio(th, ts)} | {ps}; {pr}; {pc}; {ph} |")
+        runs = [stock[label]] + [time_train(lens, m, dev, reps) for m in ("recurrent", "chunk", "hybrid")]
+        (ts, gs, _) = runs[0]
+        wall = " | ".join(f"{_ms(t)} | {_ratio(t, ts)}" for t, _, _ in runs[1:])
+        gpu = " | ".join(f"{_ms(g)} | {_ratio(g, gs)}" for _, g, _ in runs[1:])
+        rep.add(f"| {label} | {_ms(ts)} | {wall} | {_ms(gs)} | {gpu} | {'; '.join(p for _, _, p in runs)} |")
     _configs(rep, tuned)
 
 
@@ -412,10 +419,9 @@ def main() -> None:
         train = [t for t in train if any(w in t[0] for w in keep)]
         if not (shapes if args.part != "train" else train):
             ap.error(f"--rows {args.rows!r} selects no row of --part {args.part}")
-    reps_train = max(3, args.reps // 3)
     rep = Report(args.out)
     rep.add(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; GDN core at Qwen3.5-9B dims "
-            f"(H={H}, HV={HV}, K=V={K}); median ms of {reps_train if args.part == 'train' else args.reps}; "
+            f"(H={H}, HV={HV}, K=V={K}); median ms of {args.reps}; "
             "ratios are BI / stock. Decode rows: stock and recurrent run 1 token per sequence, the chunk mode "
             f"{p} + 1 (the partial block it recomputes) unless the row says otherwise.", "")
     if args.part == "forward":
@@ -423,7 +429,7 @@ def main() -> None:
     elif args.part == "layer":
         layer_tables(rep, shapes, dev, args.reps)
     else:
-        train_tables(rep, train, dev, reps_train)
+        train_tables(rep, train, dev, args.reps)
 
 
 if __name__ == "__main__":
