@@ -55,7 +55,7 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm="fp64", attention="auto", graphs="", moe="loop", tiles=None) -> Job:
+            prompts=None, gemm="fp64", attention="auto", graphs="", moe="", tiles=None) -> Job:
     server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -134,9 +134,9 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                     prompts=long_prompts(models), **fast),
             _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid",
                     max_tokens=80, prompts=long_prompts(models), **fast),
-            # MoE: the loop's host reads cannot be captured (vllm_bi refuses graphs with VLLM_BI_MOE=loop)
-            _parity("parity hybrid-fast (hybrid + triton GEMM h200 tiles, eager) qwen3.5-moe", m["qwen3.5-moe"],
-                    gdn="hybrid", max_tokens=80, prompts=long_prompts(models), **{**fast, "graphs": ""}),
+            # MoE: the grouped triton experts (the CUDA default since session 11) can be captured
+            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5-moe", m["qwen3.5-moe"],
+                    gdn="hybrid", max_tokens=80, prompts=long_prompts(models), **fast),
             Job(f"trainer 1 GPU hybrid-fast (hybrid + {fast_name}) qwen3.5 (long prompts)", "trainer",
                 [sys.executable, *trainer, *long_task, "--model", m["qwen3.5"]],
                 {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid", **fast_env})],
@@ -165,6 +165,7 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         # capturable then), and the trainer's backward through them
         "moe-triton": [
             _parity("parity MoE triton qwen3.5-moe", m["qwen3.5-moe"], moe="triton"),
+            _parity("parity MoE loop (float64 host loop) qwen3.5-moe", m["qwen3.5-moe"], moe="loop"),
             _parity("parity MoE triton moe-router (256 experts, top-8)", m["moe-router"], moe="triton", max_tokens=16),
             _parity("parity MoE triton + CUDA graphs (decode) qwen3.5-moe", m["qwen3.5-moe"], moe="triton",
                     graphs="decode"),

@@ -112,6 +112,7 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
     monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
+    monkeypatch.setenv("VLLM_BI_MOE", "loop")  # not the CUDA default (triton)
     why = graph_blockers(has_moe=True)
     assert len(why) == 4 and "use recurrent" in why[0] and "use triton" in why[1] and "MoE" in why[3], why
     with pytest.raises(BatchInvarianceConfigError, match="cannot capture a decode step with"):
@@ -127,6 +128,8 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     for mode in ("exact", "triton"):  # MoE experts grouped on the device: capturable
         monkeypatch.setenv("VLLM_BI_MOE", mode)
         assert graph_blockers(has_moe=True) == []
+    monkeypatch.delenv("VLLM_BI_MOE")  # the CUDA default, triton
+    assert graph_blockers(has_moe=True) == []
 
 
 def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():

@@ -20,11 +20,13 @@ def test_trainer_refuses_a_server_with_another_moe_path(monkeypatch):
     from vllm_bi.parity import settings_mismatch, trainer_settings
 
     info = {"gdn_mode": "recurrent", "gemm": "fp64", "device": "cuda", "attention": "triton", "moe": "triton"}
-    monkeypatch.delenv("VLLM_BI_MOE", raising=False)
+    monkeypatch.setenv("VLLM_BI_MOE", "loop")
     for k in ("VLLM_BI_GDN_MODE", "VLLM_BI_GEMM", "VLLM_BI_ATTENTION"):
         monkeypatch.delenv(k, raising=False)
     why = settings_mismatch(info)
     assert why and "MoE experts run the triton path" in why and "VLLM_BI_MOE" in why
+    monkeypatch.delenv("VLLM_BI_MOE")  # triton is the default on CUDA
+    assert settings_mismatch(info) is None
     monkeypatch.setenv("VLLM_BI_MOE", "triton")
     assert settings_mismatch(info) is None
     assert "MoE experts triton" in trainer_settings("cuda")

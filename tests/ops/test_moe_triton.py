@@ -125,7 +125,7 @@ def test_backend_choice(monkeypatch):
     from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
 
     monkeypatch.delenv(MOE_ENV, raising=False)
-    assert moe_backend("cpu") == "loop" and moe_backend("cuda") == "loop"
+    assert moe_backend("cpu") == "loop" and moe_backend("cuda") == "triton"  # the defaults
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for mode in ("exact", "triton"):
         monkeypatch.setenv(MOE_ENV, mode)
@@ -133,7 +133,7 @@ def test_backend_choice(monkeypatch):
         with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
             moe_backend("cpu")
     monkeypatch.setenv(MOE_ENV, "fused")
-    with pytest.raises(ValueError, match="loop .* exact .* or triton"):
+    with pytest.raises(ValueError, match="loop, exact .* or triton .*triton is the default on cuda"):
         moe_backend("cuda")
 
 

@@ -270,14 +270,14 @@ def _check_parallelism(config, platform) -> None:
                 f"({UNVERIFIED_TP_ENV}=1 runs it unverified, for measuring).")
     from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
 
-    if has_moe and moe_backend("cuda" if platform.is_cuda() else "cpu") != "loop":
-        raise BatchInvarianceConfigError(
-            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs {MOE_ENV}=loop (its "
-            "exact partial sums); unset it or use --tensor-parallel-size 1.")
     if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
         raise BatchInvarianceConfigError(
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
             "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
+    if has_moe and moe_backend("cuda" if platform.is_cuda() else "cpu") != "loop":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs {MOE_ENV}=loop (its "
+            "exact partial sums); set it (the CPU default) or use --tensor-parallel-size 1.")
     from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
 
     if gemm_mode() != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM

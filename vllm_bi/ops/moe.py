@@ -9,10 +9,10 @@ Experts: every (token, expert) pair is ``down(silu_mul(gate_up(x)))`` through
 :func:`bi_linear`, whose result for a row does not depend on which other rows
 share the GEMM; the k expert outputs of a token are summed in fp32 in the
 order of its top-k list, then rounded once. ``VLLM_BI_MOE`` picks how:
-``loop`` (default) over the routed experts on the host, products by ``bi_linear``
+``loop`` (the CPU default) over the routed experts on the host, products by ``bi_linear``
 (:func:`moe_experts_loop`); ``exact``, grouped float64 kernels with no host read and
 the loop's bits under the float64 GEMM; ``triton``, grouped tensor-core kernels with no
-host read and other bits (:mod:`vllm_bi.ops.moe_triton`).
+host read and other bits (the CUDA default; :mod:`vllm_bi.ops.moe_triton`).
 """
 
 from __future__ import annotations

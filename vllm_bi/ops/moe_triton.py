@@ -1,6 +1,7 @@
-"""MoE experts as grouped Triton GEMMs, batch-invariant and without a host read (``VLLM_BI_MOE=exact|triton``).
+"""MoE experts as grouped Triton GEMMs, batch-invariant and without a host read (``VLLM_BI_MOE=exact|triton``;
+``triton`` is the default on CUDA).
 
-The default experts path (:func:`vllm_bi.ops.moe.moe_experts`, ``VLLM_BI_MOE=loop``) loops over the experts a
+The CPU default experts path (:func:`vllm_bi.ops.moe.moe_experts`, ``VLLM_BI_MOE=loop``) loops over the experts a
 step routes to on the host: a read of the routing per layer and a ``nonzero`` per expert, each one a stream
 synchronisation, and two float64 products per expert. At Qwen3.5-MoE's 256 experts (Qwen3-Next: 512) a decode
 step touches most of them in every MoE layer. Here a step's (token, expert) pairs are sorted by expert on the
@@ -52,14 +53,18 @@ _KERNEL = None
 
 
 def moe_backend(device: torch.device | str) -> str:
-    """``VLLM_BI_MOE`` for tensors on ``device``: ``"loop"`` (default: a host loop over the routed experts, products
-    by ``bi_linear``), ``"exact"`` (grouped float64 kernels, no host read: the loop's bits under the default float64
-    GEMM) or ``"triton"`` (grouped bf16 kernels, no host read, other bits)."""
+    """``VLLM_BI_MOE`` for tensors on ``device``: ``"loop"`` (a host loop over the routed experts, products by
+    ``bi_linear``; the default off CUDA), ``"exact"`` (grouped float64 kernels, no host read: the loop's bits under
+    the default float64 GEMM) or ``"triton"`` (grouped bf16 kernels, no host read, other bits; the default on CUDA:
+    1.7-4x stock's experts on the H200 where the loop took 10-143x, exact there, session 11)."""
     from vllm_bi.ops._choice import check_triton_device, env_choice
 
-    choice = env_choice(MOE_ENV, "loop", ("loop", "exact", "triton"),
-                        "loop (the default), exact (grouped float64 kernels) or triton (grouped bf16 kernels)")
-    check_triton_device(MOE_ENV, "triton" if choice == "exact" else choice, torch.device(device).type)
+    dev_type = torch.device(device).type
+    default = "triton" if dev_type == "cuda" else "loop"
+    choice = env_choice(MOE_ENV, default, ("loop", "exact", "triton"),
+                        f"loop, exact (grouped float64 kernels) or triton (grouped bf16 kernels; {default} is the "
+                        f"default on {dev_type})")
+    check_triton_device(MOE_ENV, "triton" if choice == "exact" else choice, dev_type)
     return choice
 
 
