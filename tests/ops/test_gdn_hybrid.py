@@ -13,7 +13,7 @@ chunk-aligned arithmetic, its tail and every generated token in the recurrence f
 import pytest
 import torch
 
-from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_aligned, gdn_hybrid_varlen, hybrid_chunk_rows
+from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_aligned, gdn_chunk_varlen, gdn_hybrid_varlen, hybrid_chunk_rows
 from vllm_bi.attention.gdn_naive import naive_gdn
 from vllm_bi.attention.gdn_recurrent import gdn_gating, gdn_recurrent
 
@@ -134,6 +134,52 @@ def test_gradients_through_the_hand_over_match_float64_reference():
         scale = ref.grad.abs().max().item()
         err = (mine.grad.double() - ref.grad).abs().max().item()
         assert err <= 1e-3 * scale, f"d{name}: max err {err:.3g} vs max |grad| {scale:.3g}"
+
+
+def test_output_gradients_take_one_chunked_pass_over_whole_sequences():
+    """When only the output carries a gradient (the trainer drops the states), the backward differentiates the
+    chunked form over each whole sequence (one pass, not one per arithmetic): the gradients are exactly those
+    of gdn_chunk_varlen over the same rows, within 1e-3 of float64 autograd through the plain recurrence
+    (relative to each gradient's largest magnitude), and the forward's bits are the hybrid's."""
+    lens, splits = [90, 40, 130], [64, 0, 128]
+    T = sum(lens)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    q, k, v, A_log, a, b, dt_bias = _inputs(T, 7)
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(T, HV, V, generator=gen)
+    states = torch.randn(len(lens), HV, V, K, generator=gen) * 0.1
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, a, b)]
+        s0 = states.clone().requires_grad_(True)
+        g, beta = gdn_gating(A_log, leaves[3], leaves[4], dt_bias)
+        o = fn(leaves[0], leaves[1], leaves[2], g, beta, s0)
+        (o * w).sum().backward()
+        return o.detach(), [t.grad for t in (*leaves, s0)]
+
+    o, mine = grads(lambda *x: gdn_hybrid_varlen(*x, cu, splits)[0])
+    o_c, whole = grads(lambda *x: gdn_chunk_varlen(*x, cu)[0])
+    with torch.no_grad():
+        assert torch.equal(o, gdn_hybrid_varlen(*_qkvgb_from(q, k, v, A_log, a, b, dt_bias), states, cu, splits)[0])
+    assert not torch.equal(o, o_c)  # other bits forward (the arithmetics differ) ...
+    for name, gm, gw in zip(("q", "k", "v", "a", "b", "state"), mine, whole):
+        assert torch.equal(gm, gw), f"d{name}"  # ... the same backward
+    # and that backward is the gradient of the math: float64 reference per sequence
+    for j, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        ref = [t[s:e].detach().double().requires_grad_(True) for t in (q, k, v, a, b)]
+        s_ref = states[j].double().requires_grad_(True)
+        o_ref, _ = naive_gdn(*ref[:3], A_log, ref[3], ref[4], dt_bias, s_ref)
+        (o_ref * w[s:e].double()).sum().backward()
+        for name, gm, gr in zip(("q", "k", "v", "a", "b", "state"), mine, (*ref, s_ref)):
+            part = gm[j] if name == "state" else gm[s:e]
+            scale = gr.grad.abs().max().item()
+            err = (part.double() - gr.grad).abs().max().item()
+            assert err <= 1e-3 * scale, f"sequence {j} d{name}: max err {err:.3g} vs max |grad| {scale:.3g}"
+
+
+def _qkvgb_from(q, k, v, A_log, a, b, dt_bias):
+    g, beta = gdn_gating(A_log, a, b, dt_bias)
+    return q, k, v, g, beta
 
 
 @pytest.mark.parametrize("splits,match", [([70], "multiple of 64"), ([200], r"in \[0, 170\]"),

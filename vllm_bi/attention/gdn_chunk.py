@@ -286,6 +286,16 @@ def gdn_hybrid_varlen(
         return gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)
     if whole and not any(chunk_rows):  # every row recurrent (generated tokens)
         return gdn_recurrent_varlen(q, k, v, g, beta, states, cu, scale)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, states)):
+        return _HybridOnePass.apply(q, k, v, g, beta, states, cu, chunk_rows, scale)
+    return _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale)
+
+
+def _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale):
+    """:func:`gdn_hybrid_varlen`'s general path: the chunk rows of every sequence in one call, the recurrent
+    rows in another, each output row copied to its place."""
+    n = len(cu) - 1
+    lens = [cu[j + 1] - cu[j] for j in range(n)]
     dev = q.device
     T = v.shape[0]
     mid = states
@@ -309,6 +319,48 @@ def gdn_hybrid_varlen(
     for rows, o_part in parts:
         o.index_copy_(0, rows, o_part)
     return o, finals
+
+
+class _HybridOnePass(torch.autograd.Function):
+    """:func:`_hybrid_mixed` (the bits) with one backward pass over whole sequences.
+
+    The forward runs without autograd. When only the output carries a gradient (the trainer, which drops the
+    states), the backward differentiates the chunked form over every row of each sequence from its input state:
+    the same function of the inputs (other rounding), so the same gradient up to fp32 error, in one chunked
+    launch and its backward (CUDA: fla-core's) instead of one backward per arithmetic plus the recurrent rows'
+    recompute and the row gathers' scatters. A gradient through the returned states differentiates
+    :func:`_hybrid_mixed` itself (its states are each arithmetic's own)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, states, cu, chunk_rows, scale):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, g, beta, states)
+        ctx.cu, ctx.chunk_rows, ctx.scale = cu, chunk_rows, scale
+        return _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale)
+
+    @staticmethod
+    def backward(ctx, do, dstates):
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
+            if dstates is None:
+                outs, grads = [_whole_sequences_grad_path(*leaves, ctx.cu, ctx.scale)], [do]
+            else:
+                o, finals = _hybrid_mixed(*leaves, ctx.cu, ctx.chunk_rows, ctx.scale)
+                outs, grads = [o, finals], [torch.zeros_like(o) if do is None else do, dstates]
+            d = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        return (*d, None, None, None)
+
+
+def _whole_sequences_grad_path(q, k, v, g, beta, states, cu, scale):
+    """The gated delta rule's output over every row of each packed sequence from ``states``, differentiable, in
+    the chunked form: for gradients only (its bits are not any mode's). CUDA: one fla-core chunked launch
+    (its backward is fla-core's); CPU: :func:`gdn_chunk_varlen`."""
+    if not q.is_cuda:
+        return gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, _ = FLAGatedDeltaRule.apply("chunk", *(t.unsqueeze(0) for t in (q, k, v, g.float(), beta)),
+                                   states.transpose(-1, -2).contiguous(), index_on(cu, q.device), scale)
+    return o[0]
 
 
 # fla-core 0.6.0 kernels of the chunked forward and the config each is pinned to (fields that must match
