@@ -37,7 +37,8 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
 All stock runs come first: the chunk mode pins fla-core's autotuned kernels process-wide, and the table
 lists what autotuning had picked for the stock runs and what the chunk mode pins.
 
-Median of N timed runs (CUDA events) after warm-ups; ratios are BI / stock.
+Median of N timed runs (CUDA events) after warm-ups; ratios are BI / stock. ``--part forward`` adds a table of the
+server columns' GPU time (kernels and copies, torch.profiler): what a decode step replayed in a CUDA graph pays.
 """
 
 from __future__ import annotations
@@ -144,19 +145,23 @@ def _qkvgb(mixed, A_log, a, b, dt_bias):
     return q, k, v, g, beta
 
 
-def time_stock_forward(shape: Shape, dev: str, reps: int) -> float:
+def time_stock_forward(shape: Shape, dev: str, reps: int) -> tuple[float, float]:
+    """(wall, GPU time) milliseconds of the stock core (:func:`common.gpu_ms`)."""
     mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv = _forward_inputs(shape.lens, shape.decode, dev)
-    return timed(lambda: stock_core(shape.lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, shape.decode),
-                 reps)
+
+    def step():
+        stock_core(shape.lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, st_kv, shape.decode)
+
+    return timed(step, reps), gpu_ms(step)
 
 
-def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
+def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
     """The server's GDN glue for one layer and one scheduler step, ``gdn.bi_gdn_core`` as vLLM calls it: the
     states and conv states gathered from shuffled cache slots (new requests zeroed), the core, the states
     stored back; in the chunk mode decode also assembles the partial block from the widened conv history
     (``shape.chunk_lens`` - 1 cached rows per sequence) and stores the new history. The step's plan (the host
     reads of the scheduler metadata and the index tensors) is built on the first call and then shared, as
-    the server shares it between the model's GDN layers."""
+    the server shares it between the model's GDN layers. Returns (wall, GPU time) milliseconds."""
     import types
     from unittest import mock
 
@@ -188,7 +193,10 @@ def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> float:
         vllm_bi_prompt_lens=[4 * CHUNK] * N if shape.decode else list(shape.lens))
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
     with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
-        return timed(lambda: G.bi_gdn_core(layer, mixed, b, a, out), reps)
+        def step():
+            G.bi_gdn_core(layer, mixed, b, a, out)
+
+        return timed(step, reps), gpu_ms(step)
 
 
 def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
@@ -281,14 +289,20 @@ def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> Non
             "chunk core | ratio | recurrent server | ratio | chunk server | ratio | hybrid server | ratio |",
             "| --- |" + " ---: |" * 15)
     tuned = _autotuned()
+    gpu_rows = []
     for sh in shapes:
         rk, rc = time_bi_forward(sh, "recurrent", dev, reps)
         ck, cc = time_bi_forward(sh, "chunk", dev, reps)
-        rs, cs = time_server_core(sh, "recurrent", dev, reps), time_server_core(sh, "chunk", dev, reps)
-        hs = time_server_core(sh, "hybrid", dev, reps)
-        s = stock[sh.label]
-        rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, rs, cs, hs))
-                + " |")
+        servers = [time_server_core(sh, m, dev, reps) for m in ("recurrent", "chunk", "hybrid")]
+        s, s_gpu = stock[sh.label]
+        rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(
+            f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, *(w for w, _ in servers))) + " |")
+        gpu_rows.append(f"| {sh.label} | {s_gpu:.3f} | " + " | ".join(
+            f"{g:.3f} | {g / s_gpu:.2f}x" for _, g in servers) + " |")
+    # a decode step replayed in a CUDA graph (VLLM_BI_CUDA_GRAPHS=decode, stock's default) pays no host time
+    rep.add("", "GPU time (kernels and copies, torch.profiler; host gaps excluded, as in a replayed CUDA graph):", "",
+            "| shape | stock | recurrent server | ratio | chunk server | ratio | hybrid server | ratio |",
+            "| --- |" + " ---: |" * 7, *gpu_rows)
     _configs(rep, tuned)
 
 
