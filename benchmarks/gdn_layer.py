@@ -92,7 +92,7 @@ def stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, state0, decode:
               output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
 
 
-def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode="recurrent"):
+def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode="recurrent", packed=False):
     from vllm_bi.attention.gdn_recurrent import gdn_varlen
 
     ranges, s = [], 0
@@ -105,7 +105,7 @@ def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode
 
         chunk_rows = [hybrid_chunk_rows(n // 2, 0, n) for n in lens]
     return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode,
-                      chunk_rows=chunk_rows)
+                      chunk_rows=chunk_rows, packed=packed)
 
 
 def bi_kernel(lens, q, k, v, g, beta, states, mode):
@@ -230,8 +230,9 @@ def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float |
         st_vk = torch.zeros(N, HV, V, K, device=dev)
 
         def step():
-            outs, _, _ = bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk, mode)
-            torch.cat(outs).float().square().mean().backward()
+            # packed, as the trainer's model calls it (per-sequence slices cost the backward O(N x T))
+            o, _, _ = bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, st_vk, mode, packed=True)
+            o.float().square().mean().backward()
 
     gr._warned_fallback = False
     try:
