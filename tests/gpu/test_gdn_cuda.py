@@ -84,3 +84,37 @@ def test_matches_float64_reference_and_gradients():
         assert rel <= 3e-2, f"d/d{name}: relative error {rel:.3e}"
     rel = ((s0d.grad.double().cpu() - s064.grad).norm() / s064.grad.norm()).item()
     assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
+
+
+def test_recurrent_in_slots_equals_fla_core():
+    """The server's in-place recurrent step (``gdn_slots.recurrent_in_slots``: states read from and written to
+    their cache slots) == the trainer's forward (``gdn_recurrent_varlen``: fla-core's fused recurrent kernel on
+    gathered states), bit for bit: the outputs and the states written into the slots. Slots no sequence owns,
+    and the padding between slots, stay as they were. Prefill-like lengths, then a 256-request decode."""
+    from vllm_bi.attention.gdn_recurrent import index_on
+    from vllm_bi.attention.gdn_slots import recurrent_in_slots
+
+    for lens in ([300, 17, 1, 64, 129, 1, 2], [1] * 256):
+        seqs = [_seq(T, 100 + i) for i, T in enumerate(lens)]
+        N, S = len(lens), len(lens) + 5
+        gen = torch.Generator().manual_seed(N)
+        pool0 = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)  # padded slot stride, as vLLM may
+        slots = torch.randperm(S, generator=gen)[:N]
+        fresh = torch.zeros(N, dtype=torch.int32)
+        fresh[::3] = 1
+        states = pool0[slots.to(DEV), : HV * K * V].unflatten(1, (HV, K, V)).transpose(-1, -2).clone()  # [N,HV,V,K]
+        states[fresh.bool().to(DEV)] = 0
+        o_ref, fin_ref, _ = gdn_run(gdn_recurrent_varlen, seqs, states)
+        buf = pool0.clone()
+        pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
+
+        def in_slots(q, k, v, g, beta, _states, cu):
+            o = recurrent_in_slots(q, k, v, g, beta, pool, slots.to(DEV), index_on(cu, DEV), K**-0.5, fresh.to(DEV))
+            return o, None
+
+        o, _, _ = gdn_run(in_slots, seqs)
+        assert torch.equal(o, o_ref), f"lens {lens[:8]}: outputs differ from fla-core's"
+        for i in range(N):
+            assert torch.equal(pool[int(slots[i])], fin_ref[i].transpose(-1, -2)), f"lens {lens[:8]}: slot of seq {i}"
+        others = sorted(set(range(S)) - set(slots.tolist()))
+        assert torch.equal(buf[others], pool0[others]) and torch.equal(buf[:, HV * K * V :], pool0[:, HV * K * V :])

@@ -497,7 +497,9 @@ def gdn_varlen(
     mode: str = "recurrent",
     packed: bool = False,
     chunk_rows: list[int] | None = None,
-) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]:
+    slots: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
     ``mode="chunk"``: the recurrence is :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` instead
@@ -514,6 +516,12 @@ def gdn_varlen(
     ``packed=True`` the outputs are one tensor ``[sum(e-s), HV, V]``, the sequences in order. Under autograd
     take the packed form: each per-sequence slice costs the backward a zero tensor of the whole output's size
     (at 64 x 1K tokens that doubled a layer's training time, session 12).
+
+    ``slots`` (CUDA, recurrent mode; the server's step): ``states`` is then vLLM's whole state pool seen in
+    fla-core's order ``[S, HV, K, V]`` fp32, sequence ``j`` starts from slot ``slots[j]`` (from zeros where
+    ``fresh[j]`` is nonzero) and its final state is written back into that slot in place
+    (:func:`vllm_bi.attention.gdn_slots.recurrent_in_slots`, fla-core's fused recurrent arithmetic); the
+    returned states are None.
     """
     key_dim = num_k_heads * head_k_dim
     cu = [0]
@@ -530,6 +538,14 @@ def gdn_varlen(
     k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a, b, dt_bias)
+    if slots is not None:
+        if mode != "recurrent" or not q.is_cuda:
+            raise ValueError(f"gdn_varlen: states in slots need the recurrent mode on CUDA (mode {mode!r}, "
+                             f"device {q.device})")
+        from vllm_bi.attention.gdn_slots import recurrent_in_slots
+
+        o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5, fresh)
+        return (o if packed else [o[cu[j] : cu[j + 1]] for j in range(len(ranges))]), new_conv, None
     if mode == "chunk":
         from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen as core
     elif mode == "recurrent":

@@ -130,7 +130,7 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     W = weight.shape[-1]
     dev = mixed_qkv.device
-    slot_t, ranges = plan.slot_t, plan.ranges
+    slot_t = plan.slot_t
     dim_first = is_conv_state_dim_first()
     kv_layout = _kv_layout(dev)
     if mode == "hybrid" and plan.chunk_rows is None:  # every request past its prompt's last boundary
@@ -139,17 +139,13 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
         conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    states = gather_slots(ssm_cache, slot_t, plan.fresh, kv_layout)  # [N, HV, V, K]
     if mode in ("chunk", "hybrid"):
+        states = gather_slots(ssm_cache, slot_t, plan.fresh, kv_layout)  # [N, HV, V, K]
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, states, conv_cache, ssm_cache, weight,
                     dim_first, kv_layout)
         return
-    o, new_conv, new_states = gdn_varlen(
-        mixed_qkv, ranges, weight, conv_states[:, -(W - 1) :], layer.A_log, a, b, layer.dt_bias, states,
-        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation, packed=True,
-    )
-    out[plan.rows] = o.to(out.dtype)
-    store_slots(ssm_cache, slot_t, new_states, kv_layout)
+    new_conv = _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv_states[:, -(W - 1) :], ssm_cache, weight,
+                               kv_layout)
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
@@ -347,20 +343,36 @@ def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, 
     R = conv_cache.shape[-1] if dim_first else conv_cache.shape[1]
     tail = slice(R - (W - 1), R)
     conv = conv_cache[plan.slot_t, :D, tail].transpose(1, 2) if dim_first else conv_cache[plan.slot_t, tail, :D]
-    states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
     if plan.fresh is not None:
         conv[plan.fresh] = 0
-    o, new_conv, new_states = gdn_varlen(
-        mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias, states,
-        layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation, packed=True,
-    )
-    out[plan.rows] = o.to(out.dtype)
-    store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
+    new_conv = _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout)
     new_conv = new_conv.to(conv_cache.dtype)
     if dim_first:
         conv_cache[plan.slot_t, :D, tail] = new_conv.transpose(1, 2)
     else:
         conv_cache[plan.slot_t, tail, :D] = new_conv
+
+
+def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout) -> torch.Tensor:
+    """The recurrent core of one step from conv states ``conv [N, W-1, D]``: fills ``out`` and the state slots,
+    returns the new conv states. CUDA: the states are read from and written to their slots in place (one pass
+    over them, as stock vLLM's kernel; :mod:`vllm_bi.attention.gdn_slots`). CPU: gathered, run, stored."""
+    dims = (layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation)
+    if kv_layout and mixed_qkv.is_cuda:
+        fresh = None
+        if plan.fresh is not None:
+            fresh = torch.zeros(len(plan.ranges), dtype=torch.int32, device=mixed_qkv.device)
+            fresh.index_fill_(0, plan.fresh, 1)
+        o, new_conv, _ = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias,
+                                    state_memory(ssm_cache, True), *dims, packed=True, slots=plan.slot_t,
+                                    fresh=fresh)
+    else:
+        states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
+        o, new_conv, new_states = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b,
+                                             layer.dt_bias, states, *dims, packed=True)
+        store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
+    out[plan.rows] = o.to(out.dtype)
+    return new_conv
 
 
 def _take(hist_rows: torch.Tensor, parts: tuple[torch.Tensor, ...], idx: torch.Tensor) -> torch.Tensor:

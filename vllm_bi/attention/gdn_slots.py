@@ -1,0 +1,113 @@
+"""The server's recurrent GDN step on CUDA with the states read from, and written back to, their cache slots.
+
+The recurrent mode (and the hybrid mode's decode steps) used to gather every scheduled request's fp32 state
+out of vLLM's state cache, run fla-core's fused recurrent kernel on the copy, and store the final states back:
+three passes over the states where the kernel needs one. At Qwen3.5-9B dimensions a 256-request decode moves
+537 MB per pass, and the GPU time of a decode step per layer was 1.18 ms against stock vLLM's 0.75 ms
+(session 12, ``docs/results/2026-12-01-h200-session12.md``), while stock updates its slots in place.
+
+:func:`recurrent_in_slots` is one Triton kernel that does fla-core's fused recurrent arithmetic
+(``fla.ops.gated_delta_rule.fused_recurrent``, the trainer's forward) on each request's slot in place. For
+the bits to be the trainer's, it repeats that kernel's per-element operations in the same order, on the same
+tile (``[K, 8]`` of the ``[K, V]`` state per program, one warp, three stages), with fla-core's own ``exp``:
+
+* q and k of each token: fp32, divided by ``sqrt(sum(x * x) + 1e-6)``; q then times ``scale``;
+* the state tile times ``exp(g)``; ``v' = beta * (v - sum_k(S * k))``; ``S += k v'^T``; ``o = sum_k(S * q)``;
+* the state starts as ``0 + S0`` (fla-core adds its loaded initial state to zeros), or 0 for a new request.
+
+Only the addresses differ. ``tests/gpu/test_gdn_cuda.py`` checks ``torch.equal`` against fla-core's kernel on
+the GPU; ``tests/ops/test_gdn_slots.py`` checks the logic through Triton's interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["recurrent_in_slots"]
+
+BV = 8  # fla-core's fused recurrent tile: all of K, 8 values of V, one warp
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - vllm pulls triton in
+    triton = None
+
+if triton is not None:
+    try:  # fla-core's exp (tl.exp, or libdevice's fast one under FLA_USE_FAST_OPS=1), as its kernels use it
+        from fla.ops.utils.op import exp as fla_exp
+    except ImportError:  # CPU installs have no fla-core; the interpreter tests run with tl.exp, its default
+
+        @triton.jit
+        def fla_exp(x):
+            return tl.exp(x.to(tl.float32))
+
+    @triton.jit
+    def _step_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, fresh, cu, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        n_vb = tl.cdiv(V, BVC)
+        vb, seq_head = pid % n_vb, pid // n_vb
+        seq, hv = seq_head // HV, seq_head % HV
+        hk = hv // (HV // H)
+        first = tl.load(cu + seq).to(tl.int64)
+        stop = tl.load(cu + seq + 1).to(tl.int64)
+        slot = tl.load(slots + seq).to(tl.int64)
+        ks = tl.arange(0, BK)
+        vs = vb * BVC + tl.arange(0, BVC)
+        k_ok, v_ok = ks < K, vs < V
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        state = pool + slot * slot_stride + hv * (K * V) + ks[:, None] * V + vs[None, :]
+        S0 = tl.load(state, mask=tile_ok, other=0).to(tl.float32)
+        if HAS_FRESH:
+            S0 = tl.where(tl.load(fresh + seq) != 0, 0.0, S0)
+        S = tl.zeros([BK, BVC], dtype=tl.float32)
+        S += S0
+        for t in tl.range(first, stop):
+            qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            vt = tl.load(v + (t * HV + hv) * V + vs, mask=v_ok, other=0).to(tl.float32)
+            qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            qt = qt * scale
+            bt = tl.load(beta + t * HV + hv).to(tl.float32)
+            S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
+            vt = bt * (vt - tl.sum(S * kt[:, None], 0))
+            S += kt[:, None] * vt
+            ot = tl.sum(S * qt[:, None], 0)
+            tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
+        tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
+
+
+def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
+                       fresh: torch.Tensor | None = None) -> torch.Tensor:
+    """Run packed sequences through the recurrence, each from and into its state slot.
+
+    ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (l2norm of q and k inside, as fla-core's
+    ``use_qk_l2norm_in_kernel``); ``pool [S, HV, K, V]`` fp32, fla-core's state order, each slot contiguous
+    (vLLM may pad the stride between slots), updated in place;
+    ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
+    the null block); ``cu [N + 1]`` offsets (device); ``fresh [N]`` nonzero where a sequence starts from zeros.
+    Returns ``o [T, HV, V]`` in ``v.dtype``."""
+    if triton is None:
+        raise RuntimeError("recurrent_in_slots needs triton")
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    if pool.dtype != torch.float32 or pool.stride()[1:] != (K * V, V, 1):
+        raise ValueError(f"recurrent_in_slots: the state pool must be fp32 with contiguous slots, got "
+                         f"{pool.dtype} with strides {pool.stride()}")
+    if tuple(pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"recurrent_in_slots: state pool {tuple(pool.shape)} does not hold [HV, K, V] = "
+                         f"{(HV, K, V)} per slot")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    N = slots.shape[0]
+    o = torch.empty_like(v)
+    if N == 0 or T == 0:
+        return o
+    grid = (triton.cdiv(V, BV) * N * HV,)
+    _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
+                         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=BV, HAS_FRESH=fresh is not None,
+                         num_warps=1, num_stages=3)
+    return o
