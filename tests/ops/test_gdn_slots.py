@@ -97,3 +97,56 @@ print("ok")
 
 def test_recurrent_in_slots_logic_in_interpreter(interpreted):
     interpreted(SCRIPT)
+
+
+GLUE = """
+import sys
+from unittest import mock
+import types
+import torch
+sys.path.insert(0, TESTS)
+import test_gdn_glue as T
+from vllm_bi.model_executor import gdn as G
+
+l1 = T.mk(False)
+l2 = types.SimpleNamespace(**vars(l1))
+l2.kv_cache = (l1.kv_cache[0].clone(), T.kv_order(l1.kv_cache[1]))
+kv0 = l2.kv_cache[1].clone()
+o1 = torch.zeros(T.T, T.HV, T.V, dtype=torch.bfloat16)
+o2 = o1.clone()
+T.reference(l1, False, o1)
+real_gather = G.gather_slots
+
+
+def conv_only(cache, *args):
+    assert cache.dtype != torch.float32, "in place: the states are not gathered"
+    return real_gather(cache, *args)
+
+
+with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=False), \\
+        mock.patch.object(G, "_metadata", return_value=T.md), mock.patch.object(G, "_kv_layout", return_value=True), \\
+        mock.patch.object(G, "_in_place", return_value=True), \\
+        mock.patch.object(G, "gather_slots", side_effect=conv_only):
+    G.bi_gdn_core(l2, T.x, T.b, T.a, o2)
+assert o1.abs().sum() > 0
+assert float((o2.float() - o1.float()).abs().max() / o1.float().abs().max()) <= 1e-2  # bf16 outputs
+want = T.kv_order(l1.kv_cache[1])
+for s in range(T.nslots):
+    if s in T.slots:
+        assert float((l2.kv_cache[1][s] - want[s]).abs().max() / want[s].abs().max()) <= 1e-5, s
+    else:
+        assert torch.equal(l2.kv_cache[1][s], kv0[s]), s
+assert torch.equal(l1.kv_cache[0], l2.kv_cache[0])  # the conv path is unchanged: the same bits
+print("ok")
+"""
+
+
+def test_server_glue_updates_slots_in_place_in_interpreter(interpreted):
+    """``gdn.bi_gdn_core`` in the recurrent mode with CUDA's state layout and the in-place step (CUDA's path),
+    through Triton's interpreter: a step of decodes and prefills (one request new) against the per-sequence
+    reference of ``tests/test_gdn_glue.py`` (outputs 1e-2 relative, bf16; states 1e-5), slots no request owns
+    untouched, no gather of the states."""
+    import os
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    interpreted(f"TESTS = {tests!r}\n" + GLUE)

@@ -539,9 +539,8 @@ def gdn_varlen(
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a, b, dt_bias)
     if slots is not None:
-        if mode != "recurrent" or not q.is_cuda:
-            raise ValueError(f"gdn_varlen: states in slots need the recurrent mode on CUDA (mode {mode!r}, "
-                             f"device {q.device})")
+        if mode != "recurrent":
+            raise ValueError(f"gdn_varlen: states in slots need the recurrent mode, not {mode!r}")
         from vllm_bi.attention.gdn_slots import recurrent_in_slots
 
         o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5, fresh)

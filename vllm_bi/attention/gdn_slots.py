@@ -21,6 +21,8 @@ the GPU; ``tests/ops/test_gdn_slots.py`` checks the logic through Triton's inter
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 __all__ = ["recurrent_in_slots"]
@@ -93,6 +95,8 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     Returns ``o [T, HV, V]`` in ``v.dtype``."""
     if triton is None:
         raise RuntimeError("recurrent_in_slots needs triton")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("recurrent_in_slots runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     if pool.dtype != torch.float32 or pool.stride()[1:] != (K * V, V, 1):
