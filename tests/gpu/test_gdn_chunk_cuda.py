@@ -203,3 +203,28 @@ def test_hybrid_output_gradients_take_one_pass_and_match_float64():
             assert rel <= 3e-2, f"sequence {j} d/d{name}: relative error {rel:.3e}"
         rel = ((s0d.grad[j].double().cpu() - s_ref.grad).norm() / s_ref.grad.norm()).item()
         assert rel <= 3e-2, f"sequence {j} d/dstate: relative error {rel:.3e}"
+
+
+def test_partial_blocks_in_slots_equal_fla_core():
+    """The partial-block kernel (``gdn_chunk_decode.partial_blocks_in_slots``: boundary states read from their slots,
+    fla-core's state and output kernels replaced by one; not wired into the server until this passes) == the chunk
+    mode's current call (``gdn_chunk_varlen``: fla-core's chunked kernel on gathered states), bit for bit, on partial
+    blocks of 1..63 rows from shuffled slots with a padded slot stride, and on a 256-request decode batch (33 rows)."""
+    from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
+
+    for lens in ([1, 2, 5, 17, 31, 32, 33, 48, 62, 63], [33] * 256):
+        seqs = [_seq(T, 500 + i) for i, T in enumerate(lens)]
+        N, S = len(lens), len(lens) + 3
+        gen = torch.Generator().manual_seed(N)
+        buf = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)
+        pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
+        slots = torch.randperm(S, generator=gen)[:N].to(DEV)
+        states = pool[slots].transpose(-1, -2).clone()  # [N, HV, V, K], as the server gathers them
+        o_ref, _, _ = gdn_run(gdn_chunk_varlen, seqs, states)
+        before = buf.clone()
+        o, _, _ = gdn_run(lambda q, k, v, g, beta, _s, cu: (partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu,
+                                                                                   K**-0.5), None), seqs)
+        assert torch.equal(buf, before)  # the slots are only read
+        cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        bad = [j for j in range(N) if not torch.equal(o[cu[j] : cu[j + 1]], o_ref[cu[j] : cu[j + 1]])]
+        assert not bad, f"lens {lens[:10]}: blocks {bad[:10]} differ from fla-core's (rows {[lens[j] for j in bad[:10]]})"

@@ -1,0 +1,167 @@
+"""The chunk-aligned mode's partial blocks (a decode step's rows since each request's last block boundary) with the
+boundary states read from their cache slots. **Not wired into the server yet**: it is used only when its GPU test
+(``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``) has shown that it gives fla-core's
+bits.
+
+Why: at a 256-request decode the chunk mode's step costs 3.0× stock in GPU time (session 12,
+``docs/results/2026-12-01-h200-session12.md``). fla-core's state kernel, built for long sequences, takes 1.1 ms of
+it: for a request's one partial block it writes ``h`` (the boundary state rounded to bf16), ``v_new`` and an fp32
+final state that the server throws away, and before it the server gathers the boundary states out of their slots
+(537 MB).
+
+What :func:`partial_blocks_in_slots` runs, for packed partial blocks (each fewer than 64 rows, starting at a block
+boundary):
+
+1. fla-core's own launches for what does not touch the state: the l2norm of q and k, the cumulative gate
+   (``chunk_local_cumsum``, log2 scale), and the fused kkt + triangular solve with ``recompute_w_u``
+   (``chunk_gated_delta_rule_fwd_intra``), with the chunk indices given (no host read);
+2. one kernel of this module in place of fla-core's state and output kernels, per (request, value head, 64 values):
+   the boundary state read from its slot, ``v_new = u - w h`` and ``o`` with the output kernel's tile shapes and
+   operation order: ``h`` rounded to bf16; ``w h`` and ``q h`` as two 64-wide products accumulated in order;
+   ``q k^T`` likewise; ``o = (q h) exp2(g) scale + ((q k^T) exp2(g_i - g_j), causal, as bf16) v_new (bf16) scale``.
+
+A block that completes in a step is not a partial block: it stays with fla-core's full pipeline, whose final state
+is the next boundary state.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["partial_blocks_in_slots", "partial_block_outputs"]
+
+CHUNK = 64
+BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - vllm pulls triton in
+    triton = None
+
+if triton is not None:
+    try:  # fla-core's exp2, as its state and output kernels use it
+        from fla.ops.utils.op import exp2 as fla_exp2
+    except ImportError:  # CPU installs have no fla-core; the interpreter tests run with its default
+
+        @triton.jit
+        def fla_exp2(x):
+            return tl.math.exp2(x.to(tl.float32))
+
+    @triton.jit
+    def _partial_block_kernel(q, k, w, u, g, o, pool, slot_stride, slots, cu, scale,
+                              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              BT: tl.constexpr, BVO: tl.constexpr, TWO: tl.constexpr):
+        vb = tl.program_id(0).to(tl.int64)
+        seq_head = tl.program_id(1).to(tl.int64)
+        seq, hv = seq_head // HV, seq_head % HV
+        hk = hv // (HV // H)
+        first = tl.load(cu + seq).to(tl.int64)
+        n = tl.load(cu + seq + 1).to(tl.int64) - first
+        slot = tl.load(slots + seq).to(tl.int64)
+        rows = tl.arange(0, BT)
+        row_ok = rows < n
+        ks = tl.arange(0, 64)
+        vs = vb * BVO + tl.arange(0, BVO)
+        v_ok = vs < V
+        state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
+        # the boundary state's first 64 keys (and the next 64 when K = 128), fp32 as the state kernel keeps it
+        S1 = tl.zeros([64, BVO], dtype=tl.float32)
+        S1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        q_rows = q + ((first + rows) * H + hk)[:, None] * K
+        k_rows = k + ((first + rows) * H + hk)[:, None] * K
+        w_rows = w + ((first + rows) * HV + hv)[:, None] * K
+        w1 = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        q1 = tl.load(q_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        k1 = tl.load(k_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        Sb1 = S1.to(w1.dtype)
+        wS = tl.dot(w1, Sb1)
+        qS = tl.dot(q1, Sb1)
+        qk = tl.dot(q1, tl.trans(k1))
+        if TWO:
+            S2 = tl.zeros([64, BVO], dtype=tl.float32)
+            S2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+            w2 = tl.load(w_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            q2 = tl.load(q_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            k2 = tl.load(k_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            Sb2 = S2.to(w2.dtype)
+            wS = tl.dot(w2, Sb2, wS)
+            qS = tl.dot(q2, Sb2, qS)
+            qk = tl.dot(q2, tl.trans(k2), qk)
+        tile_ok = row_ok[:, None] & v_ok[None, :]
+        u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+        v_new = (tl.load(u_rows, mask=tile_ok, other=0.0) - wS).to(w1.dtype)
+        v_new = tl.where(tile_ok, v_new, 0.0).to(w1.dtype)  # rows past the block: fla-core's masked load, zeros
+        gt = tl.load(g + (first + rows) * HV + hv, mask=row_ok, other=0.0)
+        qS = qS * fla_exp2(gt)[:, None]
+        qk = qk * fla_exp2(gt[:, None] - gt[None, :])
+        causal = (rows[:, None] >= rows[None, :]) & (row_ok[:, None] & row_ok)
+        qk = tl.where(causal, qk, 0)
+        out = qS * scale + tl.dot(qk.to(v_new.dtype), v_new) * scale
+        o_rows = o + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+        tl.store(o_rows, out.to(o.dtype.element_ty), mask=tile_ok)
+
+
+def _check(pool: torch.Tensor, HV: int, K: int, V: int) -> None:
+    if triton is None:
+        raise RuntimeError("the chunk mode's partial-block kernel needs triton")
+    if K not in (64, 128):
+        raise ValueError(f"the partial-block kernel supports head_k_dim 64 or 128, got {K}")
+    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (HV, K, V) or pool.stride()[1:] != (K * V, V, 1):
+        raise ValueError(f"partial blocks: the state pool must be fp32 [S, {HV}, {K}, {V}] with contiguous slots, "
+                         f"got {pool.dtype} {tuple(pool.shape)} with strides {pool.stride()}")
+
+
+def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                          pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+    """Step 2 of the module doc alone: ``q, k [T, H, K]`` l2-normalised (bf16), ``w [T, HV, K]``, ``u [T, HV, V]``
+    (fla-core's WY form, bf16), ``g [T, HV]`` the cumulative gate per block (log2 scale, fp32), ``pool [S, HV, K,
+    V]`` fp32 (fla-core's state order, each slot contiguous), ``slots [N]``, ``cu [N + 1]`` (device; every segment
+    fewer than 64 rows, starting at a boundary). Returns ``o [T, HV, V]`` in ``u.dtype``; reads the pool only."""
+    T, H, K = k.shape
+    HV, V = u.shape[1], u.shape[2]
+    _check(pool, HV, K, V)
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the partial-block kernel runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
+    o = torch.empty_like(u)
+    N = slots.shape[0]
+    if N and T:
+        q, k, w, u, g = (t.contiguous() for t in (q, k, w, u, g))
+        _partial_block_kernel[(triton.cdiv(V, BV), N * HV)](
+            q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
+            TWO=K > 64, num_warps=4, num_stages=3)
+    return o
+
+
+def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            pool: torch.Tensor, slots: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
+    """The chunk mode's output rows of packed partial blocks (CUDA): ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta
+    [T, HV]`` as :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` takes them, each segment of ``cu`` (host
+    offsets) fewer than 64 rows and starting at a block boundary, whose boundary state is in slot ``slots[j]`` of
+    ``pool [S, HV, K, V]``. Returns ``o [T, HV, V]`` (``v.dtype``); writes no state."""
+    lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
+    if any(n >= CHUNK or n < 1 for n in lens):
+        raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK - 1} rows, got {lens}")
+    _check(pool, v.shape[1], k.shape[2], v.shape[2])
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
+    from vllm_bi.attention.gdn_recurrent import index_on
+
+    pin_fla_chunk_configs()
+    dev = q.device
+    cu_t = index_on(cu, dev)
+    chunks = index_on([x for j in range(len(lens)) for x in (j, 0)], dev).view(-1, 2)  # one chunk per segment
+    qn, _ = l2norm_fwd(q.unsqueeze(0).contiguous())
+    kn, _ = l2norm_fwd(k.unsqueeze(0).contiguous())
+    gc = chunk_local_cumsum(g.unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_t,
+                            chunk_indices=chunks)
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=kn, v=v.unsqueeze(0).contiguous(), g=gc,
+                                              beta=beta.unsqueeze(0).contiguous(), cu_seqlens=cu_t,
+                                              chunk_indices=chunks, chunk_size=CHUNK)
+    return partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu_t, scale)
