@@ -91,3 +91,23 @@ def test_hf_checkpoint_round_trip(family, tiny_model_path, tmp_path):
     again = GDNHybridForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert os.path.exists(f"{out}/tokenizer.json") and os.path.exists(f"{out}/config.json")
+
+
+def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
+    """The trainer's GDN layers take ``gdn_varlen``'s packed output. Per-sequence slices of it would each cost the
+    backward a zero tensor of the whole output's size: at 64 x 1K tokens that doubled a layer's training time on the
+    H200 (session 12, docs/results/2026-12-01-h200-session12.md)."""
+    from vllm_bi.model_executor.models import hybrid
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("packed", False))
+        return real(*args, **kwargs)
+
+    real = hybrid.gdn_varlen
+    monkeypatch.setattr(hybrid, "gdn_varlen", recording)
+    model = GDNHybridForCausalLM.from_pretrained(tiny_model_path("qwen3.5"))
+    ids = torch.randint(3, 1000, (40,))
+    (-model.token_logprobs(ids, [0, 13, 30, 40])[:-1].mean()).backward()
+    assert calls and all(calls), f"gdn_varlen calls with packed={calls}"
