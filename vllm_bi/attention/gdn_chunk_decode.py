@@ -26,8 +26,6 @@ is the next boundary state.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 __all__ = ["partial_blocks_in_slots", "partial_block_outputs"]
@@ -92,8 +90,8 @@ if triton is not None:
             qk = tl.dot(q2, tl.trans(k2), qk)
         tile_ok = row_ok[:, None] & v_ok[None, :]
         u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+        # rows past the block: w and u load as zeros, so v_new is +0 there, as fla-core's masked load of it
         v_new = (tl.load(u_rows, mask=tile_ok, other=0.0) - wS).to(w1.dtype)
-        v_new = tl.where(tile_ok, v_new, 0.0).to(w1.dtype)  # rows past the block: fla-core's masked load, zeros
         gt = tl.load(g + (first + rows) * HV + hv, mask=row_ok, other=0.0)
         qS = qS * fla_exp2(gt)[:, None]
         qk = qk * fla_exp2(gt[:, None] - gt[None, :])
@@ -104,14 +102,12 @@ if triton is not None:
         tl.store(o_rows, out.to(o.dtype.element_ty), mask=tile_ok)
 
 
-def _check(pool: torch.Tensor, HV: int, K: int, V: int) -> None:
-    if triton is None:
-        raise RuntimeError("the chunk mode's partial-block kernel needs triton")
+def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
+    from vllm_bi.attention.gdn_slots import check_slot_pool
+
     if K not in (64, 128):
-        raise ValueError(f"the partial-block kernel supports head_k_dim 64 or 128, got {K}")
-    if pool.dtype != torch.float32 or tuple(pool.shape[1:]) != (HV, K, V) or pool.stride()[1:] != (K * V, V, 1):
-        raise ValueError(f"partial blocks: the state pool must be fp32 [S, {HV}, {K}, {V}] with contiguous slots, "
-                         f"got {pool.dtype} {tuple(pool.shape)} with strides {pool.stride()}")
+        raise ValueError(f"{who}: the partial-block kernel supports head_k_dim 64 or 128, got {K}")
+    check_slot_pool(who, x, pool, HV, K, V)
 
 
 def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
@@ -122,9 +118,7 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
     fewer than 64 rows, starting at a boundary). Returns ``o [T, HV, V]`` in ``u.dtype``; reads the pool only."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
-    _check(pool, HV, K, V)
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("the partial-block kernel runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
+    _check("partial_block_outputs", q, pool, HV, K, V)
     o = torch.empty_like(u)
     N = slots.shape[0]
     if N and T:
@@ -144,7 +138,7 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
     if any(n >= CHUNK or n < 1 for n in lens):
         raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK - 1} rows, got {lens}")
-    _check(pool, v.shape[1], k.shape[2], v.shape[2])
+    _check("partial_blocks_in_slots", q, pool, v.shape[1], k.shape[2], v.shape[2])
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum

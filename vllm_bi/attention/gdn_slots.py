@@ -25,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["recurrent_in_slots"]
+__all__ = ["check_slot_pool", "recurrent_in_slots"]
 
 BV = 8  # fla-core's fused recurrent tile: all of K, 8 values of V, one warp
 
@@ -82,6 +82,20 @@ if triton is not None:
         tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
 
 
+def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
+    """What a kernel over vLLM's state slots needs: Triton, CUDA inputs (CPU only under ``TRITON_INTERPRET=1``,
+    for tests), and ``pool [S, HV, K, V]`` fp32 with each slot contiguous (the stride between slots is free)."""
+    if triton is None:
+        raise RuntimeError(f"{who} needs triton")
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{who} runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
+    if pool.dtype != torch.float32 or pool.stride()[1:] != (K * V, V, 1):
+        raise ValueError(f"{who}: the state pool must be fp32 with contiguous slots, got {pool.dtype} with strides "
+                         f"{pool.stride()}")
+    if tuple(pool.shape[1:]) != (HV, K, V):
+        raise ValueError(f"{who}: state pool {tuple(pool.shape)} does not hold [HV, K, V] = {(HV, K, V)} per slot")
+
+
 def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
                        fresh: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,18 +107,9 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
     the null block); ``cu [N + 1]`` offsets (device); ``fresh [N]`` nonzero where a sequence starts from zeros.
     Returns ``o [T, HV, V]`` in ``v.dtype``."""
-    if triton is None:
-        raise RuntimeError("recurrent_in_slots needs triton")
-    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("recurrent_in_slots runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    if pool.dtype != torch.float32 or pool.stride()[1:] != (K * V, V, 1):
-        raise ValueError(f"recurrent_in_slots: the state pool must be fp32 with contiguous slots, got "
-                         f"{pool.dtype} with strides {pool.stride()}")
-    if tuple(pool.shape[1:]) != (HV, K, V):
-        raise ValueError(f"recurrent_in_slots: state pool {tuple(pool.shape)} does not hold [HV, K, V] = "
-                         f"{(HV, K, V)} per slot")
+    check_slot_pool("recurrent_in_slots", q, pool, HV, K, V)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     N = slots.shape[0]
     o = torch.empty_like(v)

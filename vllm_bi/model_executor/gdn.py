@@ -161,6 +161,7 @@ class StepPlan:
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
         self.fresh_host = list(fresh_host)  # ``fresh`` on the host
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
+        self._fresh_flags = None
         # hybrid mode: per request, the cached rows it re-runs (``recompute``: its position past its last
         # boundary while it is before its prompt's last boundary, else 0) and its rows in the chunk arithmetic
         # counted from there (``chunk_rows``, None when no request has any); both None outside the hybrid mode
@@ -172,6 +173,15 @@ class StepPlan:
             if any(before):
                 self.chunk_rows = [hybrid_chunk_rows(p, st - r, r + k)
                                    for p, st, r, k in zip(prompts, starts, self.recompute, n)]
+
+
+    def fresh_flags(self) -> torch.Tensor | None:
+        """``fresh`` as one int32 flag per sequence (nonzero: starts from zeros), built once per step and shared by
+        the GDN layers; None when no request is new."""
+        if self.fresh is not None and self._fresh_flags is None:
+            flags = torch.zeros(len(self.ranges), dtype=torch.int32, device=self.fresh.device)
+            self._fresh_flags = flags.index_fill_(0, self.fresh, 1)
+        return self._fresh_flags
 
 
 def step_plan(md, dev) -> StepPlan | None:
@@ -359,13 +369,9 @@ def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, 
     over them, as stock vLLM's kernel; :mod:`vllm_bi.attention.gdn_slots`). CPU: gathered, run, stored."""
     dims = (layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation)
     if kv_layout and _in_place(mixed_qkv.device):
-        fresh = None
-        if plan.fresh is not None:
-            fresh = torch.zeros(len(plan.ranges), dtype=torch.int32, device=mixed_qkv.device)
-            fresh.index_fill_(0, plan.fresh, 1)
         o, new_conv, _ = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias,
                                     state_memory(ssm_cache, True), *dims, packed=True, slots=plan.slot_t,
-                                    fresh=fresh)
+                                    fresh=plan.fresh_flags())
     else:
         states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
         o, new_conv, new_states = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b,
