@@ -158,6 +158,34 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
 
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_chunk_glue_with_states_in_slots(dim_first):
+    """CUDA's chunk-mode step (``_in_place``: ``gdn_chunk_decode.chunk_in_slots``) on CPU, with the partial-block
+    kernel (CUDA only) replaced by the chunk core on the states read from their slots: the same four steps as
+    above give exactly the trainer's outputs; only requests that stay inside one block and are not new go to the
+    partial-block path, which only reads the pool; the others' boundary states are stored."""
+    from vllm_bi.attention import gdn_chunk_decode as CD
+    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
+
+    calls = []
+
+    def partial(q, k, v, g_, beta, pool, slot_t, cu, scale):
+        calls.append([cu[j + 1] - cu[j] for j in range(len(cu) - 1)])
+        before = pool.clone()
+        o, _ = gdn_chunk_varlen(q, k, v, g_, beta, pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
+        assert torch.equal(pool, before)
+        return o
+
+    steps = [[40, 70, 5], [60, 1, 1], [49, 0, 0], [1, 0, 0]]
+    with mock.patch.object(CD, "partial_blocks_in_slots", partial):
+        got, ref = _serve_steps("chunk", [150, 71, 6], steps, dim_first, True, 5,
+                                patches=[("_in_place", lambda dev: True)])
+    # step 1: the decodes of requests 1 (block rows 6 + 1) and 2 (5 + 1); step 3: request 0 (21 + 1)
+    assert calls == [[7, 6], [22]]
+    for i in range(3):
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+
+
 @pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_hybrid_glue_gives_the_trainers_bits(dim_first, kv_layout):

@@ -228,3 +228,58 @@ def test_partial_blocks_in_slots_equal_fla_core():
         cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
         bad = [j for j in range(N) if not torch.equal(o[cu[j] : cu[j + 1]], o_ref[cu[j] : cu[j + 1]])]
         assert not bad, f"lens {lens[:10]}: blocks {bad[:10]} differ from fla-core's (rows {[lens[j] for j in bad[:10]]})"
+
+
+def test_chunk_server_step_in_slots_equals_gathered_states():
+    """The chunk server's step on CUDA (``gdn.bi_gdn_core``: boundary states read in their slots,
+    ``gdn_chunk_decode.chunk_in_slots``) == the same step with the states gathered out of their slots and stored
+    back (the path before session 13), bit for bit: outputs, widened conv histories and every state slot. The
+    step mixes decodes inside a block, at a boundary and completing a block, a new short prompt, a resumed
+    prefill crossing a boundary and a new prompt of two blocks and more, from shuffled slots."""
+    import types
+    from unittest import mock
+
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    from vllm_bi.model_executor import gdn as G
+
+    W = 4
+    D, R = 2 * H * K + HV * V, CHUNK - 1 + W - 1
+    # (computed tokens, new tokens): 40 decodes at every offset in a block, then prefills
+    reqs = [(4 * CHUNK + (7 * i) % CHUNK, 1) for i in range(40)] + [(0, 5), (70, 100), (0, 130)]
+    n_dec = 40
+    gen = torch.Generator().manual_seed(13)
+    N, S = len(reqs), len(reqs) + 5
+    T = sum(t for _, t in reqs)
+    dim_first = is_conv_state_dim_first()
+    conv = torch.randn(S, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16().to(DEV)
+    ssm = (torch.randn(S, HV, V, K, generator=gen) * 0.1).to(DEV)
+    mixed = torch.randn(T, D, generator=gen).bfloat16().to(DEV)
+    a, b = (torch.randn(T, HV, generator=gen).bfloat16().to(DEV) for _ in range(2))
+    layer = types.SimpleNamespace(
+        conv1d=types.SimpleNamespace(weight=(torch.randn(D, 1, W, generator=gen) * 0.3).bfloat16().to(DEV)),
+        num_k_heads=H, tp_size=1, head_k_dim=K, head_v_dim=V, A_log=A_LOG.to(DEV), dt_bias=DT_BIAS.to(DEV),
+        activation="silu", prefix="test")
+    qsl = [0, *torch.tensor([t for _, t in reqs]).cumsum(0).tolist()]
+    md = types.SimpleNamespace(
+        num_actual_tokens=T, num_spec_decodes=0, spec_sequence_masks=None,
+        non_spec_query_start_loc=torch.tensor(qsl, device=DEV),
+        non_spec_state_indices_tensor=torch.randperm(S, generator=gen)[:N].to(DEV),
+        num_decodes=n_dec, num_prefills=N - n_dec, num_decode_tokens=n_dec,
+        has_initial_state=torch.tensor([c > 0 for c, _ in reqs], device=DEV),
+        vllm_bi_num_computed=torch.tensor([c for c, _ in reqs], device=DEV))
+    results = []
+    for in_place in (False, True):
+        layer.kv_cache = (conv.clone(), ssm.clone())
+        out = torch.zeros(T, HV, V, device=DEV, dtype=torch.bfloat16)
+        with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
+                mock.patch.object(G, "_in_place", return_value=in_place):
+            G.bi_gdn_core(layer, mixed, b, a, out)
+        results.append((out, *layer.kv_cache))
+    (o1, c1, s1), (o2, c2, s2) = results
+    assert o1.abs().sum() > 0
+    bad = [j for j in range(N) if not torch.equal(o1[qsl[j] : qsl[j + 1]], o2[qsl[j] : qsl[j + 1]])]
+    assert not bad, f"requests {bad} differ: {[reqs[j] for j in bad]}"
+    assert torch.equal(c1, c2)
+    assert torch.equal(s1, s2)

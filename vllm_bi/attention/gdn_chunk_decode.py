@@ -1,7 +1,7 @@
 """The chunk-aligned mode's partial blocks (a decode step's rows since each request's last block boundary) with the
-boundary states read from their cache slots. **Not wired into the server yet**: it is used only when its GPU test
-(``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``) has shown that it gives fla-core's
-bits.
+boundary states read from their cache slots. The server's chunk-mode step on CUDA runs through
+:func:`chunk_in_slots`. Its GPU test (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)
+showed that the partial-block kernel gives fla-core's bits (H200, session 13).
 
 Why: at a 256-request decode the chunk mode's step costs 3.0× stock in GPU time (session 12,
 ``docs/results/2026-12-01-h200-session12.md``). fla-core's state kernel, built for long sequences, takes 1.1 ms of
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["partial_blocks_in_slots", "partial_block_outputs"]
+__all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs"]
 
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
@@ -159,3 +159,50 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                               beta=beta.unsqueeze(0).contiguous(), cu_seqlens=cu_t,
                                               chunk_indices=chunks, chunk_size=CHUNK)
     return partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu_t, scale)
+
+
+def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   pool: torch.Tensor, slots: torch.Tensor, cu: list[int], fresh=(), scale: float | None = None
+                   ) -> torch.Tensor:
+    """The chunk mode's core for one server step with the boundary states in their slots (CUDA): the inputs as
+    :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` takes them (every segment of ``cu`` starting at a block
+    boundary), sequence ``j``'s boundary state in slot ``slots[j]`` of ``pool [S, HV, K, V]`` fp32, ``fresh`` the
+    (host) indices of the new sequences, whose state starts from zeros. Returns ``o [T, HV, V]``.
+
+    A sequence that is not new and whose segment stays inside one block (every decode step but one in ``CHUNK``)
+    runs :func:`partial_blocks_in_slots`: its state is read in place and its slot is left as it is, since its
+    boundary did not move. The others (new ones, and those that reach a boundary) gather their states, run
+    ``gdn_chunk_varlen`` and store the states at their last boundary back into their slots. Each sequence's bits
+    are those of ``gdn_chunk_varlen`` on it alone (the GPU tests); how the step splits does not change them."""
+    from vllm_bi.attention.gdn_chunk import _packed, gdn_chunk_varlen
+    from vllm_bi.attention.gdn_recurrent import index_on
+
+    N, dev = len(cu) - 1, q.device
+    new = set(int(j) for j in fresh)
+    part = [j for j in range(N) if j not in new and cu[j + 1] - cu[j] < CHUNK]
+    full = [j for j in range(N) if j in new or cu[j + 1] - cu[j] >= CHUNK]
+    o = None if len(part) in (0, N) else torch.empty_like(v)
+    for group in (part, full):
+        if not group:
+            continue
+        if len(group) == N:  # every row, in place
+            x, seg, sl = (q, k, v, g, beta), cu, slots
+        else:
+            rows, seg = _packed([(cu[j], cu[j + 1]) for j in group], dev)
+            x, sl = [t[rows] for t in (q, k, v, g, beta)], slots[index_on(group, dev)]
+        if group is part:
+            og = partial_blocks_in_slots(*x, pool, sl, seg, q.shape[-1] ** -0.5 if scale is None else scale)
+        else:
+            states = torch.index_select(pool, 0, sl)  # [n, HV, K, V]
+            zeros = [i for i, j in enumerate(group) if j in new]
+            if zeros:
+                states[index_on(zeros, dev)] = 0
+            states = states.transpose(-1, -2)  # [n, HV, V, K] as the core takes them
+            if not states.is_cuda:  # the torch core's bits follow the state's strides: its one layout (gdn_varlen)
+                states = states.contiguous()
+            og, finals = gdn_chunk_varlen(*x, states, seg, scale)
+            pool.index_copy_(0, sl, finals.transpose(-1, -2).to(pool.dtype))
+        if o is None:
+            return og
+        o[rows] = og.to(o.dtype)
+    return o if o is not None else torch.empty_like(v)

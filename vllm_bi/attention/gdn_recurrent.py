@@ -517,11 +517,13 @@ def gdn_varlen(
     take the packed form: each per-sequence slice costs the backward a zero tensor of the whole output's size
     (at 64 x 1K tokens that doubled a layer's training time, session 12).
 
-    ``slots`` (CUDA, recurrent mode; the server's step): ``states`` is then vLLM's whole state pool seen in
-    fla-core's order ``[S, HV, K, V]`` fp32, sequence ``j`` starts from slot ``slots[j]`` (from zeros where
-    ``fresh[j]`` is nonzero) and its final state is written back into that slot in place
-    (:func:`vllm_bi.attention.gdn_slots.recurrent_in_slots`, fla-core's fused recurrent arithmetic); the
-    returned states are None.
+    ``slots`` (CUDA, the server's step): ``states`` is then vLLM's whole state pool seen in fla-core's order
+    ``[S, HV, K, V]`` fp32 and sequence ``j`` starts from slot ``slots[j]``; the returned states are None.
+    Recurrent mode: ``fresh`` is an int32 device flag per sequence (nonzero: from zeros), and the final state is
+    written back into the slot in place (:func:`vllm_bi.attention.gdn_slots.recurrent_in_slots`, fla-core's
+    fused recurrent arithmetic). Chunk mode: ``fresh`` holds the host indices of the new sequences, and the
+    state at each sequence's last boundary is written back where that boundary moved
+    (:func:`vllm_bi.attention.gdn_chunk_decode.chunk_in_slots`).
     """
     key_dim = num_k_heads * head_k_dim
     cu = [0]
@@ -539,11 +541,18 @@ def gdn_varlen(
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a, b, dt_bias)
     if slots is not None:
-        if mode != "recurrent":
-            raise ValueError(f"gdn_varlen: states in slots need the recurrent mode, not {mode!r}")
-        from vllm_bi.attention.gdn_slots import recurrent_in_slots
+        if mode == "recurrent":
+            from vllm_bi.attention.gdn_slots import recurrent_in_slots
 
-        o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5, fresh)
+            o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5,
+                                   fresh)
+        elif mode == "chunk":
+            from vllm_bi.attention.gdn_chunk_decode import chunk_in_slots
+
+            o = chunk_in_slots(q, k, v, g.contiguous(), beta.contiguous(), states, slots, cu,
+                               () if fresh is None else fresh)
+        else:
+            raise ValueError(f"gdn_varlen: states in slots need the recurrent or chunk mode, not {mode!r}")
         return (o if packed else [o[cu[j] : cu[j + 1]] for j in range(len(ranges))]), new_conv, None
     if mode == "chunk":
         from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen as core

@@ -140,9 +140,8 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if dim_first:
         conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
     if mode in ("chunk", "hybrid"):
-        states = gather_slots(ssm_cache, slot_t, plan.fresh, kv_layout)  # [N, HV, V, K]
-        _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, states, conv_cache, ssm_cache, weight,
-                    dim_first, kv_layout)
+        _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, conv_cache, ssm_cache, weight, dim_first,
+                    kv_layout)
         return
     new_conv = _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv_states[:, -(W - 1) :], ssm_cache, weight,
                                kv_layout)
@@ -292,14 +291,15 @@ def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor,
         cache[slot_t] = states
 
 
-def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, ssm_cache, weight, dim_first,
-                kv_layout):
+def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, conv_cache, ssm_cache, weight, dim_first, kv_layout):
     """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
-    request's last block boundary (``ssm_cache``; here ``boundary``) and, in the widened conv cache (here
+    request's last block boundary (``ssm_cache``) and, in the widened conv cache (here
     ``hist [N, rows, D + 2 HV]``), the last ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its
     next token; both are zeros for a new request. A request whose first new token sits at absolute position
     ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
-    (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped."""
+    (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped. On CUDA the chunk
+    mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial block reads its
+    state in place); CPU and the hybrid mode gather them and store the ones that moved."""
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
     N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
@@ -322,20 +322,26 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, boundary, conv_cache, s
         new_hist = src[ix.hist_rows].reshape(N, R, -1)
         qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
     hybrid = plan.chunk_rows is not None
+    in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
+    if in_slots:
+        boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
+    else:
+        boundary, where = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout), {}  # [N, HV, V, K]
     o, _, finals = gdn_varlen(
         qkv_blk, ix.ranges, weight, conv0, layer.A_log, a_blk, b_blk,
         layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
-        layer.activation, mode="hybrid" if hybrid else "chunk", packed=True, chunk_rows=plan.chunk_rows,
+        layer.activation, mode="hybrid" if hybrid else "chunk", packed=True, chunk_rows=plan.chunk_rows, **where,
     )
     if ix.direct is not None:  # every packed row is a new token, in the step's order
         out[: ix.direct].copy_(o)
     else:
         out[plan.rows] = o[ix.keep_rows].to(out.dtype)
     # a request that reached no new block boundary gets back its input state, bit for bit: its slot already
-    # holds it (unless it is new), so only the others are stored (at decode, about 1 request in CHUNK)
-    if ix.store is None:
+    # holds it (unless it is new), so only the others are stored (at decode, about 1 request in CHUNK;
+    # chunk_in_slots stores its own)
+    if not in_slots and ix.store is None:
         store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
-    elif ix.store.numel():
+    elif not in_slots and ix.store.numel():
         store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
     if dim_first:
         new_hist = new_hist.transpose(1, 2)
@@ -382,8 +388,9 @@ def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, 
 
 
 def _in_place(dev: torch.device) -> bool:
-    """Whether the recurrent step updates the state slots in place (the Triton kernel): on CUDA. The CPU glue
-    tests run it through Triton's interpreter by patching this."""
+    """Whether the recurrent step updates the state slots in place (the Triton kernel) and the chunk mode reads
+    its boundary states in their slots (fla-core's launches and the partial-block kernel): on CUDA. The CPU
+    glue tests run the recurrent step through Triton's interpreter by patching this."""
     return dev.type == "cuda"
 
 
