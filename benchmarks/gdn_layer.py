@@ -156,12 +156,19 @@ def time_stock_forward(shape: Shape, dev: str, reps: int) -> tuple[float, float]
 
 
 def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
-    """The server's GDN glue for one layer and one scheduler step, ``gdn.bi_gdn_core`` as vLLM calls it: the
-    states and conv states gathered from shuffled cache slots (new requests zeroed), the core, the states
-    stored back; in the chunk mode decode also assembles the partial block from the widened conv history
-    (``shape.chunk_lens`` - 1 cached rows per sequence) and stores the new history. The step's plan (the host
-    reads of the scheduler metadata and the index tensors) is built on the first call and then shared, as
-    the server shares it between the model's GDN layers. Returns (wall, GPU time) milliseconds."""
+    """:func:`server_step` timed: (wall, GPU time) milliseconds."""
+    step = server_step(shape, mode, dev)
+    return timed(step, reps), gpu_ms(step)
+
+
+def server_step(shape: Shape, mode: str, dev: str):
+    """The server's GDN glue for one layer and one scheduler step, ``gdn.bi_gdn_core`` as vLLM calls it, as a
+    function of no arguments: the states and conv states read from shuffled cache slots (new requests zeroed),
+    the core, the states stored back; in the chunk mode decode also assembles the partial block from the
+    widened conv history (``shape.chunk_lens`` - 1 cached rows per sequence) and stores the new history. The
+    step's plan (the host reads of the scheduler metadata and the index tensors) is built on the first call and
+    then shared, as the server shares it between the model's GDN layers."""
+    import contextlib
     import types
     from unittest import mock
 
@@ -192,11 +199,14 @@ def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> tuple[floa
         # hybrid mode: decodes are generated tokens (past the prompt's last boundary), prefills whole prompts
         vllm_bi_prompt_lens=[4 * CHUNK] * N if shape.decode else list(shape.lens))
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
-    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
-        def step():
+
+    def step():
+        with contextlib.ExitStack() as patches:
+            patches.enter_context(mock.patch.object(G, "_metadata", return_value=md))
+            patches.enter_context(mock.patch.object(G, "gdn_mode", return_value=mode))
             G.bi_gdn_core(layer, mixed, b, a, out)
 
-        return timed(step, reps), gpu_ms(step)
+    return step
 
 
 def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:

@@ -4,7 +4,9 @@ torch.profiler table, at Qwen3.5-9B GDN dimensions (see gdn_layer.py).
     python benchmarks/profile_gdn.py [--shapes prefill:8x8192,decode:256x1,train:1x4096] [--modes recurrent,chunk]
         [--out profile.md]
 
-A ``train:BxT`` shape breaks the trainer's forward + backward down instead: the whole core's forward and
+A ``server:BxP`` shape profiles the server's whole chunk-mode decode step for one layer instead
+(``gdn_layer.server_step``: ``B`` requests, each with ``P - 1`` cached rows of its partial block and one new
+token; the conv-history glue and the state slots included), for the modes given other than stock. A ``train:BxT`` shape breaks the trainer's forward + backward down instead: the whole core's forward and
 forward + backward, then the conv and the recurrence each alone (forward + backward), for stock and BI.
 
 Per shape and mode: median ms (CUDA events) of each step of the core as ``gdn_varlen`` runs it (row
@@ -169,6 +171,19 @@ def train_breakdown(lens, mode, dev, reps):
     return times, by_cuda, by_cpu
 
 
+def server_breakdown(n: int, rows: int, mode: str, reps: int):
+    """The server's decode step (``gdn_layer.server_step``) of ``n`` requests with ``rows - 1`` cached rows of
+    their partial block: its wall and GPU time, and the profiler's tables."""
+    from common import gpu_ms
+    from gdn_layer import Shape, server_step
+
+    step = server_step(Shape(f"decode {n}", [1] * n, True, rows - 1), mode, "cuda")
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return ({"server step (wall)": f"{timed(step, reps):.3f}", "server step (GPU)": f"{gpu_ms(step):.3f}",
+             "conv state dim first": str(is_conv_state_dim_first())}, *_profile(step))
+
+
 def conv_tilings(spec: str, reps: int) -> dict[str, float]:
     """Median ms of the Triton conv kernel at 8 x 8192 tokens (9B width) for each tiling in ``spec``."""
     from vllm_bi.ops.conv import triton_causal_conv1d
@@ -209,10 +224,13 @@ def main() -> None:
         for spec in args.shapes.split(","):
             label, dims = spec.split(":")
             n, t = (int(x) for x in dims.split("x"))
-            if mode == "stock" and label == "decode":
+            if mode == "stock" and label in ("decode", "server"):
                 continue
-            fn = train_breakdown if label == "train" else breakdown
-            times, by_cuda, by_cpu = fn([t] * n, mode, "cuda", args.reps)
+            if label == "server":
+                times, by_cuda, by_cpu = server_breakdown(n, t, mode, args.reps)
+            else:
+                fn = train_breakdown if label == "train" else breakdown
+                times, by_cuda, by_cpu = fn([t] * n, mode, "cuda", args.reps)
             block = [f"## {label} {n}x{t}, {mode}", "", "| step | ms |", "| --- | ---: |",
                      *[f"| {k} | {v} |" for k, v in times.items()], "", "```", by_cuda, by_cpu, "```", ""]
             lines += block
