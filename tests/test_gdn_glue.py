@@ -246,6 +246,37 @@ def test_store_slots_writes_in_place_through_padded_slots():
         state_memory(cache.transpose(-1, -2), True)
 
 
+def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
+    """The chunk mode's widened conv history (``gdn._chunk_index``, ring): the token at absolute position p sits in
+    row p % R. A decode step reads each request's partial block and the W - 1 rows before it, and writes one row;
+    a new request reads nothing (its conv state is the zero row); a prefill longer than R writes only its last R
+    rows. The hybrid mode's shifted history rewrites all R rows of every request."""
+    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.model_executor.gdn import StepPlan, _chunk_index
+
+    R = CHUNK - 1 + W - 1
+    ranges = [(0, 1), (1, 2), (2, 102)]
+    starts = [130, 64, 0]  # a decode 2 rows past a boundary, a decode at a boundary, a new 100-token prompt
+    plan = StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2])
+    ix = _chunk_index(plan, R, W, True, "cpu")
+    want_read = [(0, p % R) for p in range(128 - (W - 1), 130)] + [(1, p % R) for p in range(64 - (W - 1), 64)]
+    assert list(zip(ix.cache_req.tolist(), ix.cache_row.tolist())) == want_read
+    n_read = len(want_read)
+    # conv states: request 0's 3 rows before 128, request 1's before 64, request 2's the zero row
+    assert ix.conv_rows.tolist() == [1, 2, 3, 6, 7, 8, 0, 0, 0]
+    # blocks: request 0 re-runs its 2 cached rows (positions 128, 129) then its new row (raw row 0)
+    assert ix.block_rows[:3].tolist() == [4, 5, 1 + n_read + 0] and ix.ranges == [(0, 3), (3, 4), (4, 104)]
+    assert ix.keep_rows[:2].tolist() == [2, 3]
+    # writes: one row per decode (positions 130, 64), the prompt's last R positions 34..99 from raw rows 36..101
+    assert list(zip(ix.write_req.tolist()[:2], ix.write_row.tolist()[:2])) == [(0, 130 % R), (1, 64 % R)]
+    assert ix.write_src.tolist() == [0, 1, *range(2 + 100 - R, 102)]
+    assert ix.write_row.tolist()[2:] == [p % R for p in range(100 - R, 100)]
+    assert ix.store.tolist() == [2]  # only the new request's boundary state: neither decode reached a boundary
+    shifted = _chunk_index(StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2]),
+                           R, W, False, "cpu")
+    assert shifted.write_src.numel() == 3 * R and shifted.write_req.numel() == 0
+
+
 def test_step_plan_is_read_once_per_step():
     """The scheduler's metadata is read on the host once per step (each read of a device tensor synchronises
     the stream) and shared by every GDN layer; a new step's metadata object gets its own plan."""

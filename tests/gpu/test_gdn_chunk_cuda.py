@@ -207,7 +207,7 @@ def test_hybrid_output_gradients_take_one_pass_and_match_float64():
 
 def test_partial_blocks_in_slots_equal_fla_core():
     """The partial-block kernel (``gdn_chunk_decode.partial_blocks_in_slots``: boundary states read from their slots,
-    fla-core's state and output kernels replaced by one; not wired into the server until this passes) == the chunk
+    fla-core's state and output kernels replaced by one; the chunk server's decode on CUDA since it passed) == the chunk
     mode's current call (``gdn_chunk_varlen``: fla-core's chunked kernel on gathered states), bit for bit, on partial
     blocks of 1..63 rows from shuffled slots with a padded slot stride, and on a 256-request decode batch (33 rows)."""
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
@@ -233,7 +233,7 @@ def test_partial_blocks_in_slots_equal_fla_core():
 def test_chunk_server_step_in_slots_equals_gathered_states():
     """The chunk server's step on CUDA (``gdn.bi_gdn_core``: boundary states read in their slots,
     ``gdn_chunk_decode.chunk_in_slots``) == the same step with the states gathered out of their slots and stored
-    back (the path before session 13), bit for bit: outputs, widened conv histories and every state slot. The
+    back (the CPU path, and CUDA's before session 13), bit for bit: outputs, widened conv histories and every state slot. The
     step mixes decodes inside a block, at a boundary and completing a block, a new short prompt, a resumed
     prefill crossing a boundary and a new prompt of two blocks and more, from shuffled slots."""
     import types

@@ -1,4 +1,4 @@
-"""The chunk mode's partial-block kernel (:mod:`vllm_bi.attention.gdn_chunk_decode`, not wired into the server yet)
+"""The chunk mode's partial-block kernel (:mod:`vllm_bi.attention.gdn_chunk_decode`, the chunk server's decode on CUDA)
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
 interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read; a block alone == the same block in a
 batch (exact); bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU

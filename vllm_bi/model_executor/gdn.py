@@ -136,13 +136,12 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if mode == "hybrid" and plan.chunk_rows is None:  # every request past its prompt's last boundary
         _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         return
+    if mode in ("chunk", "hybrid"):
+        _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        return
     conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
-        conv_states = conv_states.transpose(1, 2)  # -> [N, rows, D] (W-1 rows; chunk mode: wider)
-    if mode in ("chunk", "hybrid"):
-        _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_states, conv_cache, ssm_cache, weight, dim_first,
-                    kv_layout)
-        return
+        conv_states = conv_states.transpose(1, 2)  # -> [N, W-1, D]
     new_conv = _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv_states[:, -(W - 1) :], ssm_cache, weight,
                                kv_layout)
     if dim_first:
@@ -291,37 +290,42 @@ def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor,
         cache[slot_t] = states
 
 
-def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, conv_cache, ssm_cache, weight, dim_first, kv_layout):
-    """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state slot holds the fp32 state at the
-    request's last block boundary (``ssm_cache``) and, in the widened conv cache (here
-    ``hist [N, rows, D + 2 HV]``), the last ``CHUNK - 1 + W - 1`` raw inputs ``[mixed_qkv | a | b]`` before its
-    next token; both are zeros for a new request. A request whose first new token sits at absolute position
-    ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
-    (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped. On CUDA the chunk
-    mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial block reads its
-    state in place); CPU and the hybrid mode gather them and store the ones that moved."""
+def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
+    """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``) and the hybrid mode's steps with chunk rows. Each state
+    slot holds the fp32 state at the request's last block boundary (``ssm_cache``) and, in the widened conv cache
+    (``R = CHUNK - 1 + W - 1`` rows of ``[mixed_qkv | a | b]``), the raw inputs of its last ``R`` tokens, which
+    hold the partial block since that boundary and the conv state before it. A request whose first new token
+    sits at absolute position ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
+    (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped.
+
+    The history's layout (:func:`_chunk_index`): the chunk mode keeps it as a ring, the token at absolute position
+    ``p`` in row ``p % R``, so a step reads only the rows it needs and writes only its new rows (a decode step
+    writes one row per request, where a shifted history would be moved whole: 279 MB per layer at 256 requests
+    of Qwen3.5-9B). The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
+    decode steps (:func:`_hybrid_recurrent`, CUDA graphs) read the conv state without knowing the positions.
+    On CUDA the chunk mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial
+    block reads its state in place); CPU and the hybrid mode gather them and store the ones that moved."""
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
-    N, R = hist.shape[0], hist.shape[1]  # R = hist_rows
-    ix = _chunk_index(plan, R, W, mixed_qkv.device)
-    hist_rows = hist.reshape(N * R, hist.shape[2])
+    hist_cache = conv_cache.transpose(1, 2) if dim_first else conv_cache  # [S, R, C], a view
+    R, C = hist_cache.shape[1], hist_cache.shape[2]
+    hybrid = plan.chunk_rows is not None
+    ix = _chunk_index(plan, R, W, not hybrid, mixed_qkv.device)
+    N = len(plan.ranges)
     # the raw rows [mixed_qkv | a | b] as the history stores them (a and b through mixed_qkv's dtype first)
-    T = mixed_qkv.shape[0] if ix.direct is None else ix.direct
-    raw = [t[:T].to(mixed_qkv.dtype).to(hist.dtype) for t in (mixed_qkv, a, b)]
+    raw = [t.to(mixed_qkv.dtype).to(conv_cache.dtype) for t in (mixed_qkv, a, b)]
+    cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
+    head = torch.cat([cached.new_zeros(1, C), cached])  # src rows 0 (zeros) and 1.. (the rows read)
+    full = None  # src = [head; raw rows], built only when a block re-runs cached rows
     if ix.direct is not None:
         # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
-        # used where they lie; the small conv and history gathers read src without it being built
-        conv0 = _take(hist_rows, raw, ix.conv_rows)[:, :D].reshape(N, W - 1, D)
-        new_hist = _take(hist_rows, raw, ix.hist_rows).reshape(N, R, -1)
-        qkv_blk, a_blk, b_blk = raw
+        # used where they lie; its conv state comes from the history alone
+        qkv_blk, a_blk, b_blk = (t[: ix.direct] for t in raw)
     else:
-        # ext_j = [hist_j; raw rows of request j], gathered from src = [all histories; raw rows] in one index each
-        src = torch.cat([hist_rows, torch.cat(raw, dim=-1)])
-        conv0 = src[ix.conv_rows, :D].reshape(N, W - 1, D)
-        blk = src[ix.block_rows]
-        new_hist = src[ix.hist_rows].reshape(N, R, -1)
+        full = torch.cat([head, torch.cat(raw, dim=-1)])
+        blk = full[ix.block_rows]
         qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
-    hybrid = plan.chunk_rows is not None
+    conv0 = head[ix.conv_rows, :D].reshape(N, W - 1, D)
     in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
@@ -343,9 +347,11 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, hist, conv_cache, ssm_cache, 
         store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
     elif not in_slots and ix.store.numel():
         store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
-    if dim_first:
-        new_hist = new_hist.transpose(1, 2)
-    conv_cache[plan.slot_t] = new_hist.to(conv_cache.dtype)
+    if not hybrid:  # ring: the new rows into their rows
+        hist_cache[plan.slot_t[ix.write_req], ix.write_row] = torch.cat([t[ix.write_src] for t in raw], dim=-1)
+    else:  # shifted: the whole new history
+        new_hist = full[ix.write_src] if full is not None else _take(head, raw, ix.write_src)
+        hist_cache[plan.slot_t] = new_hist.reshape(N, R, C)
 
 
 def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
@@ -394,65 +400,97 @@ def _in_place(dev: torch.device) -> bool:
     return dev.type == "cuda"
 
 
-def _take(hist_rows: torch.Tensor, parts: tuple[torch.Tensor, ...], idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``src = [hist_rows; cat(parts, -1)]`` (:class:`_ChunkIndex`'s row numbering) without
-    building ``src``: each part and the histories are gathered at ``idx`` (clamped) and the right one kept."""
-    nr = hist_rows.shape[0]
+def _take(head: torch.Tensor, parts: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """Rows ``idx`` of ``src = [head; cat(parts, -1)]`` (:class:`_ChunkIndex`'s row numbering) without building
+    ``src``: each part and ``head`` are gathered at ``idx`` (clamped) and the right one kept."""
+    nr = head.shape[0]
     new = torch.cat([p[(idx - nr).clamp(min=0)] for p in parts], dim=-1)
-    return torch.where((idx >= nr)[:, None], new, hist_rows[idx.clamp(max=nr - 1)])
+    return torch.where((idx >= nr)[:, None], new, head[idx.clamp(max=nr - 1)])
 
 
 class _ChunkIndex:
-    """The chunk mode's gathers for one step (the same for every GDN layer): rows of ``src = [all histories;
-    new raw rows]`` for each request's conv state before its partial block (``conv_rows``), its partial
-    block's cached rows then its new rows (``block_rows``; packed ``ranges``), its new history
-    (``hist_rows``), the rows of the packed output that are new tokens (``keep_rows``), and the requests whose
-    boundary state must be stored (``store``: new ones and those that reached a new block boundary; None:
-    every request). ``direct``: when no request re-runs cached rows and the requests' rows are the step's first
-    ``direct`` rows in order, that count (the block rows are then the new rows where they lie), else None."""
+    """The chunk mode's gathers for one step (the same for every GDN layer). The rows a step reads from the
+    histories are (``cache_req``, ``cache_row``): request index (into ``plan.slot_t``) and history row. The
+    step's sources are numbered as ``src = [a zero row; those rows; the step's raw rows]``; in that numbering,
+    each request's conv state before its partial block (``conv_rows``, ``W - 1`` per request), its partial
+    block's cached rows then its new rows (``block_rows``; packed ``ranges``), and ``write_src``: the ring's new
+    rows (raw row numbers, written at (``write_req``, ``write_row``)) or the shifted layout's whole new histories
+    (``src`` numbering, ``R`` per request). Also the rows of the packed output that are new tokens
+    (``keep_rows``), and the requests whose boundary state must be stored (``store``: new ones and those that
+    reached a new block boundary; None: every request). ``direct``: when no request re-runs cached rows and the
+    requests' rows are the step's first ``direct`` rows in order, that count (the block rows are then the new
+    rows where they lie), else None."""
 
-    def __init__(self, conv_rows, block_rows, hist_rows, ranges, keep_rows, store, direct=None):
-        self.conv_rows, self.block_rows, self.hist_rows = conv_rows, block_rows, hist_rows
-        self.ranges, self.keep_rows, self.store, self.direct = ranges, keep_rows, store, direct
+    def __init__(self, **parts):
+        self.cache_req = self.cache_row = self.conv_rows = self.block_rows = self.keep_rows = None
+        self.write_req = self.write_row = self.write_src = self.store = self.ranges = self.direct = None
+        self.__dict__.update(parts)
 
 
-def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
-    """Build (once per step and history width; kept on the plan) the chunk mode's indices from the requests'
-    query ranges and absolute start positions: host work and one host-to-device copy."""
-    key = (R, W, str(dev))
+def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkIndex:
+    """Build (once per step and history shape; kept on the plan) the chunk mode's indices from the requests'
+    query ranges and absolute start positions: host work and one host-to-device copy. ``ring``: the history row
+    of absolute position ``p`` is ``p % R``; else the history is shifted (row ``R - start + p``)."""
+    key = (R, W, ring, str(dev))
     if key in plan.chunk:
         return plan.chunk[key]
     ranges, N = plan.ranges, len(plan.ranges)
     n = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
-    redo = plan.recompute if plan.recompute is not None else [st % CHUNK for st in plan.starts]
-    first = R - torch.tensor(redo, dtype=torch.long)  # ext row of each request's first re-run or new row
+    st = torch.tensor(plan.starts, dtype=torch.long)  # absolute position of each request's first new token
+    redo = torch.tensor(plan.recompute if plan.recompute is not None else [x % CHUNK for x in plan.starts],
+                        dtype=torch.long)
+    b0 = st - redo  # its partial block's first position (a block boundary)
     s0 = torch.tensor([s for s, _ in ranges], dtype=torch.long)
+    fresh = torch.zeros(N, dtype=torch.bool)
+    fresh[list(plan.fresh_host)] = True
+    # the history rows read: positions lo..st-1 (none for a new request); below 0 the conv state is zeros
+    first_read = b0 - (W - 1) if ring else torch.minimum(b0 - (W - 1), st + n - R)
+    lo = torch.where(fresh, st, first_read.clamp(min=0))
+    if bool((st - lo > R).any()):
+        raise RuntimeError(f"vllm_bi: a request needs more than the {R} history rows it keeps (positions {lo} to {st})")
 
-    def ext_rows(req: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
-        return torch.where(i < R, req * R + i, N * R + s0[req] + i - R)
-
-    def spans(lo: torch.Tensor, length: torch.Tensor) -> torch.Tensor:  # ext rows lo_j .. lo_j+len_j-1, packed
+    def spans(first: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (request, position) of positions first_j .. first_j + length_j - 1, packed
         req = torch.repeat_interleave(torch.arange(N), length)
         off = torch.arange(int(length.sum())) - torch.repeat_interleave(length.cumsum(0) - length, length)
-        return ext_rows(req, lo[req] + off)
+        return req, first[req] + off
 
-    blk_len = R - first + n  # the partial block's cached rows, then the new ones
+    cache_req, cache_pos = spans(lo, st - lo)
+    cache_row = cache_pos % R if ring else R - st[cache_req] + cache_pos
+    read_off = (st - lo).cumsum(0) - (st - lo)
+    n_read = int((st - lo).sum())
+
+    def src(req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # src row of each (request, position)
+        from_raw = 1 + n_read + s0[req] + pos - st[req]
+        from_hist = 1 + read_off[req] + pos - lo[req]
+        return torch.where(pos >= st[req], from_raw, torch.where(pos >= lo[req], from_hist, 0))
+
+    blk_len = redo + n  # the partial block's cached rows, then the new ones
     bounds = [0, *blk_len.cumsum(0).tolist()]
-    keep = (R - first).tolist()
+    keep = redo.tolist()
     keep_rows = torch.cat([torch.arange(bounds[j] + keep[j], bounds[j + 1]) for j in range(N)])
-    fresh = set(plan.fresh_host)
     # stored: new requests, those that reached a block boundary, and (hybrid) those past their prompt's last
     # boundary, whose full state changes with every token
-    store = torch.tensor([j for j in range(N) if j in fresh or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
-                          or (plan.chunk_rows is not None and plan.chunk_rows[j] < redo[j] + int(n[j]))],
+    store = torch.tensor([j for j in range(N) if fresh[j] or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
+                          or (plan.chunk_rows is not None and plan.chunk_rows[j] < keep[j] + int(n[j]))],
                          dtype=torch.long)
-    parts = [spans(first - (W - 1), torch.full((N,), W - 1)), spans(first, blk_len), spans(n, torch.full((N,), R)),
-             keep_rows, store]
-    dev_parts = host_to(torch.cat(parts), dev).split([p_.numel() for p_ in parts])
+    conv_rows = src(*spans(b0 - (W - 1), torch.full((N,), W - 1)))
+    block_rows = src(*spans(b0, blk_len))
+    if ring:  # the new tokens' raw rows, the last R of each request, into row p % R
+        kept = torch.minimum(n, torch.full((N,), R))
+        write_req, write_pos = spans(st + n - kept, kept)
+        write_row, write_src = write_pos % R, s0[write_req] + write_pos - st[write_req]
+    else:  # the whole new history: positions st + n - R .. st + n - 1
+        write_req, write_row = torch.arange(0), torch.arange(0)
+        write_src = src(*spans(st + n - R, torch.full((N,), R)))
+    parts = dict(cache_req=cache_req, cache_row=cache_row, conv_rows=conv_rows, block_rows=block_rows,
+                 keep_rows=keep_rows, store=store, write_req=write_req, write_row=write_row, write_src=write_src)
+    on_dev = host_to(torch.cat(list(parts.values())), dev).split([t.numel() for t in parts.values()])
+    ix = _ChunkIndex(**dict(zip(parts, on_dev)))
+    ix.store = None if store.numel() == N else ix.store
+    ix.ranges = [(bounds[j], bounds[j + 1]) for j in range(N)]
     in_order = ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(N - 1))
-    direct = ranges[-1][1] if in_order and not any(redo) else None
-    ix = _ChunkIndex(dev_parts[0], dev_parts[1], dev_parts[2], [(bounds[j], bounds[j + 1]) for j in range(N)],
-                     dev_parts[3], None if store.numel() == N else dev_parts[4], direct)
+    ix.direct = ranges[-1][1] if in_order and not any(keep) else None
     plan.chunk[key] = ix
     return ix
 
