@@ -158,30 +158,40 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
 
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["whole-gathered", "whole-in-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
-def test_chunk_glue_with_states_in_slots(dim_first):
+def test_chunk_glue_with_states_in_slots(dim_first, whole_blocks):
     """CUDA's chunk-mode step (``_in_place``: ``gdn_chunk_decode.chunk_in_slots``) on CPU, with the partial-block
-    kernel (CUDA only) replaced by the chunk core on the states read from their slots: the same four steps as
-    above give exactly the trainer's outputs; only requests that stay inside one block and are not new go to the
-    partial-block path, which only reads the pool; the others' boundary states are stored."""
+    kernels (CUDA only) replaced by the chunk core on the states read from their slots: four steps (one decode
+    completes its block) give exactly the trainer's outputs. Only requests that are not new and stay inside one
+    block go to the partial-block path, and with ``WHOLE_BLOCKS_IN_SLOTS`` those that complete it too (their slot
+    then gets the state at the block's end; no other slot is written there); the others' boundary states are
+    gathered and stored."""
     from vllm_bi.attention import gdn_chunk_decode as CD
     from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
 
     calls = []
 
     def partial(q, k, v, g_, beta, pool, slot_t, cu, scale):
-        calls.append([cu[j + 1] - cu[j] for j in range(len(cu) - 1)])
+        lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
+        calls.append(lens)
         before = pool.clone()
-        o, _ = gdn_chunk_varlen(q, k, v, g_, beta, pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
-        assert torch.equal(pool, before)
+        o, finals = gdn_chunk_varlen(q, k, v, g_, beta, pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
+        whole = [j for j, n in enumerate(lens) if n == CD.CHUNK]
+        for j in whole:
+            pool[slot_t[j]] = finals[j].transpose(-1, -2)
+        untouched = sorted(set(range(pool.shape[0])) - {int(slot_t[j]) for j in whole})
+        assert torch.equal(pool[untouched], before[untouched])
         return o
 
-    steps = [[40, 70, 5], [60, 1, 1], [49, 0, 0], [1, 0, 0]]
-    with mock.patch.object(CD, "partial_blocks_in_slots", partial):
-        got, ref = _serve_steps("chunk", [150, 71, 6], steps, dim_first, True, 5,
+    steps = [[40, 70, 63], [60, 1, 1], [49, 0, 1], [1, 0, 1]]
+    with mock.patch.object(CD, "partial_blocks_in_slots", partial), \
+            mock.patch.object(CD, "WHOLE_BLOCKS_IN_SLOTS", whole_blocks):
+        got, ref = _serve_steps("chunk", [150, 71, 66], steps, dim_first, True, 5,
                                 patches=[("_in_place", lambda dev: True)])
-    # step 1: the decodes of requests 1 (block rows 6 + 1) and 2 (5 + 1); step 3: request 0 (21 + 1)
-    assert calls == [[7, 6], [22]]
+    # step 1: the decodes of requests 1 (block rows 6 + 1) and 2 (63 + 1: completes its block, whose end state its
+    # next two decodes start from); steps 2 and 3: request 2 (0 + 1, 1 + 1), then request 0 (21 + 1) with it
+    assert calls == ([[7, 64], [1], [22, 2]] if whole_blocks else [[7], [1], [22, 2]])
     for i in range(3):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 

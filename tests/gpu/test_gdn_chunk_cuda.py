@@ -230,18 +230,50 @@ def test_partial_blocks_in_slots_equal_fla_core():
         assert not bad, f"lens {lens[:10]}: blocks {bad[:10]} differ from fla-core's (rows {[lens[j] for j in bad[:10]]})"
 
 
-def test_chunk_server_step_in_slots_equals_gathered_states():
+def test_whole_blocks_in_slots_equal_fla_core():
+    """``partial_blocks_in_slots`` on segments that complete their block (64 rows), mixed with partial ones: the
+    outputs and the state each whole block writes into its slot (fla-core's state kernel's step, repeated by
+    ``gdn_chunk_decode._block_state_kernel``) == ``gdn_chunk_varlen``'s outputs and boundary states, bit for bit;
+    the partial blocks' slots and the unused ones unchanged. Until this passes, the server sends whole blocks to
+    fla-core (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``)."""
+    from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
+
+    for lens in ([64, 1, 64, 33, 63, 64], [64] * 256):
+        seqs = [_seq(T, 900 + i) for i, T in enumerate(lens)]
+        N, S = len(lens), len(lens) + 3
+        gen = torch.Generator().manual_seed(N + 1)
+        buf = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)
+        pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
+        slots = torch.randperm(S, generator=gen)[:N].to(DEV)
+        states = pool[slots].transpose(-1, -2).clone()  # [N, HV, V, K], as the server gathers them
+        o_ref, finals, _ = gdn_run(gdn_chunk_varlen, seqs, states)
+        before = pool.clone()
+        o, _, cu = gdn_run(lambda q, k, v, g, beta, _s, cu: (partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu,
+                                                                                       K**-0.5), None), seqs)
+        bad = [j for j in range(N) if not torch.equal(o[cu[j] : cu[j + 1]], o_ref[cu[j] : cu[j + 1]])]
+        assert not bad, f"outputs of blocks {bad[:10]} differ (rows {[lens[j] for j in bad[:10]]})"
+        for j in range(N):
+            want = finals[j].transpose(-1, -2) if lens[j] == CHUNK else before[slots[j]]
+            assert torch.equal(pool[slots[j]], want), f"slot of block {j} ({lens[j]} rows)"
+        others = sorted(set(range(S)) - set(slots.tolist()))
+        assert torch.equal(pool[others], before[others])
+
+
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["whole-blocks-gathered", "whole-blocks-in-slots"])
+def test_chunk_server_step_in_slots_equals_gathered_states(whole_blocks):
     """The chunk server's step on CUDA (``gdn.bi_gdn_core``: boundary states read in their slots,
     ``gdn_chunk_decode.chunk_in_slots``) == the same step with the states gathered out of their slots and stored
     back (the CPU path, and CUDA's before session 13), bit for bit: outputs, widened conv histories and every state slot. The
     step mixes decodes inside a block, at a boundary and completing a block, a new short prompt, a resumed
-    prefill crossing a boundary and a new prompt of two blocks and more, from shuffled slots."""
+    prefill crossing a boundary and a new prompt of two blocks and more, from shuffled slots; with
+    ``WHOLE_BLOCKS_IN_SLOTS`` on and off (the decodes that complete a block in the slots or gathered)."""
     import types
     from unittest import mock
 
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
+    from vllm_bi.attention import gdn_chunk_decode as CD
     from vllm_bi.model_executor import gdn as G
 
     W = 4
@@ -274,7 +306,8 @@ def test_chunk_server_step_in_slots_equals_gathered_states():
         layer.kv_cache = (conv.clone(), ssm.clone())
         out = torch.zeros(T, HV, V, device=DEV, dtype=torch.bfloat16)
         with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
-                mock.patch.object(G, "_in_place", return_value=in_place):
+                mock.patch.object(G, "_in_place", return_value=in_place), \
+                mock.patch.object(CD, "WHOLE_BLOCKS_IN_SLOTS", whole_blocks):
             G.bi_gdn_core(layer, mixed, b, a, out)
         results.append((out, *layer.kv_cache))
     (o1, c1, s1), (o2, c2, s2) = results

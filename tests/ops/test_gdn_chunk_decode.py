@@ -1,6 +1,7 @@
 """The chunk mode's partial-block kernel (:mod:`vllm_bi.attention.gdn_chunk_decode`, the chunk server's decode on CUDA)
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
-interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read; a block alone == the same block in a
+interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read, except that a whole block (64 rows)
+writes the state at its end into its slot (against float64 too); a block alone == the same block in a
 batch (exact); bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
 (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)."""
 
@@ -46,9 +47,37 @@ for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
                                   torch.tensor([0, e - s]), scale)
     assert torch.equal(alone, o[s:e])
 
+# whole blocks: a 64-row segment's slot gets the state at the block's end, the others' slots stay as they were
+for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
+    lens, slots = [64, 9, 64], [3, 0, 1]
+    T = sum(lens)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    unit = lambda x: x / x.norm(dim=-1, keepdim=True)
+    q, k = unit(torch.randn(T, H, K)), unit(torch.randn(T, H, K))
+    w, u = torch.randn(T, HV, K) * 0.1, torch.randn(T, HV, V)
+    g = torch.cat([-(torch.rand(n, HV) * 0.05).cumsum(0) for n in lens])
+    pool = torch.randn(5, HV, K, V) * 0.3
+    pool0 = pool.clone()
+    o = partial_block_outputs(q, k, w, u, g, pool, torch.tensor(slots), cu, K ** -0.5, torch.tensor([0, 2]))
+    for j in (0, 2):
+        s, e = int(cu[j]), int(cu[j + 1])
+        for hv in range(HV):
+            hk = hv // (HV // H)
+            h0 = pool0[slots[j], hv].double()
+            gg = g[s:e, hv].double()
+            v_new = (u[s:e, hv].double() - w[s:e, hv].double() @ h0) * torch.exp2(gg[-1] - gg)[:, None]
+            want = h0 * torch.exp2(gg[-1]) + k[s:e, hk].double().T @ v_new
+            rel = float((pool[slots[j], hv].double() - want).abs().max() / want.abs().max())
+            assert rel <= 1e-5, (K, j, hv, rel)
+    for slot in (0, 2, 4):
+        assert torch.equal(pool[slot], pool0[slot]), slot
+    # the outputs were computed from the boundary states, before the writes
+    o0 = partial_block_outputs(q, k, w, u, g, pool0.clone(), torch.tensor(slots), cu, K ** -0.5)
+    assert torch.equal(o, o0)
+
 pool = torch.zeros(3, 4, 128, 64)
 x = torch.zeros(64, 2, 128)
-for bad_cu, what in (([0, 64], "1..63 rows"), ([0, 0, 3], "1..63 rows")):
+for bad_cu, what in (([0, 65], "1..64 rows"), ([0, 0, 3], "1..64 rows")):
     try:
         partial_blocks_in_slots(x, x, torch.zeros(64, 4, 64), torch.zeros(64, 4), torch.zeros(64, 4), pool,
                                 torch.tensor([0] * (len(bad_cu) - 1)), bad_cu, 1.0)

@@ -20,8 +20,10 @@ boundary):
    operation order: ``h`` rounded to bf16; ``w h`` and ``q h`` as two 64-wide products accumulated in order;
    ``q k^T`` likewise; ``o = (q h) exp2(g) scale + ((q k^T) exp2(g_i - g_j), causal, as bf16) v_new (bf16) scale``.
 
-A block that completes in a step is not a partial block: it stays with fla-core's full pipeline, whose final state
-is the next boundary state.
+A block that completes in a step (64 rows) runs the same, and then a second kernel of this module writes the state at
+its end into the slot: fla-core's state kernel's step for one chunk, with its tile (64 keys x 32 values, 4 warps, 4
+stages) and operation order (``v_new`` from the bf16 boundary state, the gate, ``h exp2(g_last) + k^T v_new``
+accumulated by ``tl.dot`` into ``h``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ __all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs"]
 
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
+BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
+# Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
+# writes the state at the block's end. Off until its GPU test
+# (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) has shown fla-core's bits.
+WHOLE_BLOCKS_IN_SLOTS = False
 
 try:
     import triton
@@ -102,6 +109,53 @@ if triton is not None:
         tl.store(o_rows, out.to(o.dtype.element_ty), mask=tile_ok)
 
 
+    @triton.jit
+    def _block_state_kernel(k, w, u, g, pool, slot_stride, slots, cu, seqs, H: tl.constexpr, HV: tl.constexpr,
+                            K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BVS: tl.constexpr,
+                            TWO: tl.constexpr):
+        # the state after one whole block from the boundary state in the slot, written back into the slot: fla-core's
+        # state kernel's step for one chunk (tile 64 keys x BVS values; v_new from bf16(h); gate; h * exp2(g_last)
+        # + k^T v_new, accumulated by tl.dot into h)
+        vb = tl.program_id(0).to(tl.int64)
+        seq_head = tl.program_id(1).to(tl.int64)
+        seq = tl.load(seqs + seq_head // HV).to(tl.int64)
+        hv = seq_head % HV
+        hk = hv // (HV // H)
+        first = tl.load(cu + seq).to(tl.int64)
+        slot = tl.load(slots + seq).to(tl.int64)
+        rows = tl.arange(0, BT)
+        ks = tl.arange(0, 64)
+        vs = vb * BVS + tl.arange(0, BVS)
+        v_ok = vs < V
+        state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
+        h1 = tl.zeros([64, BVS], dtype=tl.float32)
+        h1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+        w_rows = w + ((first + rows) * HV + hv)[:, None] * K
+        w1 = tl.load(w_rows + ks[None, :])
+        b_v = tl.dot(w1, h1.to(w1.dtype))
+        if TWO:
+            h2 = tl.zeros([64, BVS], dtype=tl.float32)
+            h2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+            w2 = tl.load(w_rows + (64 + ks)[None, :])
+            b_v = tl.dot(w2, h2.to(w2.dtype), b_v)
+        u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+        b_v = tl.load(u_rows, mask=v_ok[None, :], other=0.0) - b_v
+        g_last = tl.load(g + (first + BT - 1) * HV + hv).to(tl.float32)
+        b_g = tl.load(g + (first + rows) * HV + hv).to(tl.float32)
+        b_v = b_v * fla_exp2(g_last - b_g)[:, None]
+        g_last = fla_exp2(g_last)
+        h1 *= g_last
+        if TWO:
+            h2 *= g_last
+        b_v = b_v.to(w1.dtype)
+        k_cols = k + ((first + rows) * H + hk)[None, :] * K  # k^T: keys down, rows across
+        h1 = tl.dot(tl.load(k_cols + ks[:, None]), b_v, h1)
+        tl.store(state + ks[:, None] * V, h1, mask=v_ok[None, :])
+        if TWO:
+            h2 = tl.dot(tl.load(k_cols + (64 + ks)[:, None]), b_v, h2)
+            tl.store(state + (64 + ks)[:, None] * V, h2, mask=v_ok[None, :])
+
+
 def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
     from vllm_bi.attention.gdn_slots import check_slot_pool
 
@@ -111,11 +165,14 @@ def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: in
 
 
 def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
-                          pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float) -> torch.Tensor:
+                          pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
+                          whole: torch.Tensor | None = None) -> torch.Tensor:
     """Step 2 of the module doc alone: ``q, k [T, H, K]`` l2-normalised (bf16), ``w [T, HV, K]``, ``u [T, HV, V]``
     (fla-core's WY form, bf16), ``g [T, HV]`` the cumulative gate per block (log2 scale, fp32), ``pool [S, HV, K,
     V]`` fp32 (fla-core's state order, each slot contiguous), ``slots [N]``, ``cu [N + 1]`` (device; every segment
-    fewer than 64 rows, starting at a boundary). Returns ``o [T, HV, V]`` in ``u.dtype``; reads the pool only."""
+    1..64 rows, starting at a boundary). Returns ``o [T, HV, V]`` in ``u.dtype``. ``whole`` (device indices of the
+    segments of 64 rows): after the outputs, their slots get the state at the block's end (fla-core's state
+    kernel's step: tile 64 keys x 32 values, 4 warps, 4 stages, as pinned); the other slots are only read."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     _check("partial_block_outputs", q, pool, HV, K, V)
@@ -126,6 +183,10 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
         _partial_block_kernel[(triton.cdiv(V, BV), N * HV)](
             q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
             TWO=K > 64, num_warps=4, num_stages=3)
+        if whole is not None and whole.numel():  # after the outputs, which read the boundary states
+            _block_state_kernel[(triton.cdiv(V, BV_STATE), whole.numel() * HV)](
+                k, w, u, g, pool, pool.stride(0), slots, cu, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,
+                TWO=K > 64, num_warps=4, num_stages=4)
     return o
 
 
@@ -133,11 +194,13 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             pool: torch.Tensor, slots: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
     """The chunk mode's output rows of packed partial blocks (CUDA): ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta
     [T, HV]`` as :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` takes them, each segment of ``cu`` (host
-    offsets) fewer than 64 rows and starting at a block boundary, whose boundary state is in slot ``slots[j]`` of
-    ``pool [S, HV, K, V]``. Returns ``o [T, HV, V]`` (``v.dtype``); writes no state."""
+    offsets) of 1..64 rows and starting at a block boundary, whose boundary state is in slot ``slots[j]`` of
+    ``pool [S, HV, K, V]``. Returns ``o [T, HV, V]`` (``v.dtype``). A segment of 64 rows completes its block: its
+    slot then gets the state at the block's end (fla-core's state kernel's arithmetic); the others' slots are only
+    read."""
     lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
-    if any(n >= CHUNK or n < 1 for n in lens):
-        raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK - 1} rows, got {lens}")
+    if any(n > CHUNK or n < 1 for n in lens):
+        raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK} rows, got {lens}")
     _check("partial_blocks_in_slots", q, pool, v.shape[1], k.shape[2], v.shape[2])
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -158,7 +221,9 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=kn, v=v.unsqueeze(0).contiguous(), g=gc,
                                               beta=beta.unsqueeze(0).contiguous(), cu_seqlens=cu_t,
                                               chunk_indices=chunks, chunk_size=CHUNK)
-    return partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu_t, scale)
+    whole = [j for j, n in enumerate(lens) if n == CHUNK]
+    return partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu_t, scale,
+                                 index_on(whole, dev) if whole else None)
 
 
 def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -170,8 +235,9 @@ def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     (host) indices of the new sequences, whose state starts from zeros. Returns ``o [T, HV, V]``.
 
     A sequence that is not new and whose segment stays inside one block (every decode step but one in ``CHUNK``)
-    runs :func:`partial_blocks_in_slots`: its state is read in place and its slot is left as it is, since its
-    boundary did not move. The others (new ones, and those that reach a boundary) gather their states, run
+    runs :func:`partial_blocks_in_slots`: its state is read in place and its slot is left as it is. With
+    :data:`WHOLE_BLOCKS_IN_SLOTS`, a segment that completes its block (64 rows) goes there too, and its slot gets the
+    state at the block's end. The others (new ones, longer prefills) gather their states, run
     ``gdn_chunk_varlen`` and store the states at their last boundary back into their slots. Each sequence's bits
     are those of ``gdn_chunk_varlen`` on it alone (the GPU tests); how the step splits does not change them."""
     from vllm_bi.attention.gdn_chunk import _packed, gdn_chunk_varlen
@@ -179,8 +245,9 @@ def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
 
     N, dev = len(cu) - 1, q.device
     new = set(int(j) for j in fresh)
-    part = [j for j in range(N) if j not in new and cu[j + 1] - cu[j] < CHUNK]
-    full = [j for j in range(N) if j in new or cu[j + 1] - cu[j] >= CHUNK]
+    most = CHUNK if WHOLE_BLOCKS_IN_SLOTS else CHUNK - 1  # the longest segment the partial-block path takes
+    part = [j for j in range(N) if j not in new and cu[j + 1] - cu[j] <= most]
+    full = [j for j in range(N) if j in new or cu[j + 1] - cu[j] > most]
     o = None if len(part) in (0, N) else torch.empty_like(v)
     for group in (part, full):
         if not group:
