@@ -2,10 +2,11 @@
 out of their slots, then fla-core's chunked kernel, ``gdn_chunk_varlen``) against the partial-block kernel
 (``gdn_chunk_decode.partial_blocks_in_slots``: states read in their slots, one kernel for ``v_new`` and ``o``).
 
-    python benchmarks/chunk_decode.py [--batches 1,16,256] [--rows 1,33,63] [--reps 20] [--out table.md]
+    python benchmarks/chunk_decode.py [--batches 1,16,256] [--rows 1,33,63,64] [--reps 20] [--out table.md]
 
-Each row first checks that the two give the same bits (``torch.equal`` of every output row; a row that differs is
-reported and not timed), then prints each path's median wall time (CUDA events) and GPU time (``torch.profiler``:
+Each row first checks that the two give the same bits (``torch.equal`` of every output row and, for 64 rows, where
+every block completes, of the state each writes at its block's end; a row that differs is reported and not timed),
+then prints each path's median wall time (CUDA events) and GPU time (``torch.profiler``:
 what a step replayed in a CUDA graph pays). The rows are a decode batch of ``batch`` requests, each with a partial
 block of ``rows`` tokens (the new token included). The q/k/v/gate inputs are random, as after the conv.
 """
@@ -33,22 +34,32 @@ def _inputs(batch: int, rows: int, dev: str):
 
 
 def row(batch: int, rows: int, reps: int, dev: str = "cuda") -> str:
-    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
+    from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_varlen
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
 
     q, k, v, g, beta, pool, slots, cu = _inputs(batch, rows, dev)
 
-    def current():  # the server's gather of the boundary states, then the chunk mode's core
+    def current():  # the server's gather of the boundary states, the chunk mode's core, the new ones stored
         states = torch.index_select(pool, 0, slots).transpose(-1, -2)
-        return gdn_chunk_varlen(q, k, v, g, beta, states, cu)[0]
+        o, ends = gdn_chunk_varlen(q, k, v, g, beta, states, cu)
+        if rows == CHUNK:
+            pool.index_copy_(0, slots, ends.transpose(-1, -2))
+        return o
 
     def in_slots():
         return partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5)
 
-    a, b = current(), in_slots()
+    states = torch.index_select(pool, 0, slots).transpose(-1, -2)
+    a, ends = gdn_chunk_varlen(q, k, v, g, beta, states, cu)
+    pool0 = pool.clone()
+    b = in_slots()
     if not torch.equal(a, b):
         bad = sum(not torch.equal(a[i * rows : (i + 1) * rows], b[i * rows : (i + 1) * rows]) for i in range(batch))
-        return f"| {batch} x {rows} | **differ** ({bad} of {batch} blocks) | | | | | |"
+        return f"| {batch} x {rows} | **outputs differ** ({bad} of {batch} blocks) | | | | | |"
+    want = ends.transpose(-1, -2) if rows == CHUNK else pool0[slots]
+    if not torch.equal(pool[slots], want):
+        bad = sum(not torch.equal(pool[slots[i]], want[i]) for i in range(batch))
+        return f"| {batch} x {rows} | **states differ** ({bad} of {batch} slots) | | | | | |"
     t_cur, t_new = timed(current, reps), timed(in_slots, reps)
     g_cur, g_new = gpu_ms(current), gpu_ms(in_slots)
     return (f"| {batch} x {rows} | equal | {t_cur:.3f} | {t_new:.3f} ({t_new / t_cur:.2f}x) | {g_cur:.3f} | "
@@ -58,7 +69,9 @@ def row(batch: int, rows: int, reps: int, dev: str = "cuda") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,16,256")
-    ap.add_argument("--rows", default="1,33,63", help="tokens of each request's partial block, the new one included")
+    ap.add_argument("--rows", default="1,33,63,64",
+                    help="tokens of each request's partial block, the new one included (64: every block completes, "
+                         "and the in-slots path also writes the state at its end)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
