@@ -180,7 +180,7 @@ def server_step(shape: Shape, mode: str, dev: str):
     N, T = len(shape.lens), sum(shape.lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(shape.lens, dev)
     dim_first = is_conv_state_dim_first()
-    rows, width = (CHUNK - 1 + W - 1, D + 2 * HV) if mode in ("chunk", "hybrid") else (W - 1, D)
+    rows, width = (G.history_rows(W), D + 2 * HV) if mode in ("chunk", "hybrid") else (W - 1, D)
     conv = torch.randn(2 * N, *((width, rows) if dim_first else (rows, width)), device=dev).bfloat16()
     ssm = torch.randn(2 * N, HV, V, K, device=dev) * 0.1
     layer = types.SimpleNamespace(

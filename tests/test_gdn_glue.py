@@ -91,7 +91,7 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, p
     from vllm_bi.attention.gdn_chunk import CHUNK, hybrid_chunk_rows
     from vllm_bi.attention.gdn_recurrent import gdn_varlen
 
-    R = CHUNK - 1 + W - 1
+    R = CHUNK + W - 1
     n = len(total)
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randn(t, D, generator=gen).bfloat16() for t in total]
@@ -154,6 +154,29 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
     got, ref = _serve_steps("chunk", [150, 71, 6], steps, dim_first, kv_layout, 5, patches=[("store_slots", store)],
                             on_step=lambda: stored.append(0))
     assert stored == [3, 1, 1, 0]  # step 1: request 0 crosses 64, the decodes of 1 and 2 do not; step 3: none
+    for i in range(3):
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_chunk_glue_decode_steps_read_the_ring_after_writing(dim_first):
+    """Chunk mode, steps of decodes only (``_chunk_index``'s ``fits``: the new rows go into the ring first and each
+    block is one gather from it): a decode 2 tokens into its sequence (conv rows before the start are zeros), one
+    completing its block (63 cached rows + 1: the ring's every row) and one just past a boundary, for three steps,
+    give exactly the trainer's outputs."""
+    from vllm_bi.model_executor.gdn import _chunk_index
+
+    fits = []
+    real = _chunk_index
+
+    def spy(plan, R, W_, ring, dev):
+        ix = real(plan, R, W_, ring, dev)
+        fits.append(ix.fits)
+        return ix
+
+    steps = [[2, 63, 65], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    got, ref = _serve_steps("chunk", [5, 66, 68], steps, dim_first, False, 7, patches=[("_chunk_index", spy)])
+    assert fits == [False, True, True, True]  # the first step: new prompts, their rows where they lie
     for i in range(3):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
@@ -260,11 +283,12 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     """The chunk mode's widened conv history (``gdn._chunk_index``, ring): the token at absolute position p sits in
     row p % R. A decode step reads each request's partial block and the W - 1 rows before it, and writes one row;
     a new request reads nothing (its conv state is the zero row); a prefill longer than R writes only its last R
-    rows. The hybrid mode's shifted history rewrites all R rows of every request."""
+    rows. The hybrid mode's shifted history rewrites all R rows of every request. A step of decodes fits in the
+    ring at once: its new rows are written first, then each block is read in one gather."""
     from vllm_bi.attention.gdn_chunk import CHUNK
     from vllm_bi.model_executor.gdn import StepPlan, _chunk_index
 
-    R = CHUNK - 1 + W - 1
+    R = CHUNK + W - 1
     ranges = [(0, 1), (1, 2), (2, 102)]
     starts = [130, 64, 0]  # a decode 2 rows past a boundary, a decode at a boundary, a new 100-token prompt
     plan = StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2])
@@ -282,9 +306,24 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     assert ix.write_src.tolist() == [0, 1, *range(2 + 100 - R, 102)]
     assert ix.write_row.tolist()[2:] == [p % R for p in range(100 - R, 100)]
     assert ix.store.tolist() == [2]  # only the new request's boundary state: neither decode reached a boundary
+    assert not ix.fits  # the prompt's 100 rows do not fit in the ring with its conv rows
     shifted = _chunk_index(StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2]),
                            R, W, False, "cpu")
-    assert shifted.write_src.numel() == 3 * R and shifted.write_req.numel() == 0
+    assert shifted.write_src.numel() == 3 * R and shifted.write_req.numel() == 0 and not shifted.fits
+    # a step of decodes fits: its new rows go into the ring first, then each block is one gather from the ring
+    # (positions 128..130, 64, 0..2), the conv rows before it (125..127, 61..63, and -3..-1: zeros)
+    dec = StepPlan([(0, 1), (1, 2), (2, 3)], None, torch.tensor([5, 2, 0]), None, [130, 64, 2], [])
+    fx = _chunk_index(dec, R, W, True, "cpu")
+    assert fx.fits and fx.direct is None
+    assert list(zip(fx.cache_req.tolist(), fx.cache_row.tolist())) == [
+        (0, 128 % R), (0, 129 % R), (0, 130 % R), (1, 64 % R), (2, 0), (2, 1), (2, 2)]
+    assert fx.conv_req.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert fx.conv_rows.tolist() == [125 % R, 126 % R, 127 % R, 61, 62, 63, (-3) % R, (-2) % R, (-1) % R]
+    assert fx.conv_zero.tolist() == [False] * 6 + [True] * 3
+    assert list(zip(fx.write_req.tolist(), fx.write_row.tolist(), fx.write_src.tolist())) == [
+        (0, 130 % R, 0), (1, 64 % R, 1), (2, 2, 2)]
+    # with the ring one row shorter a decode completing its block (63 cached rows) would not fit
+    assert not _chunk_index(StepPlan([(0, 1)], None, torch.tensor([5]), None, [127], []), R - 1, W, True, "cpu").fits
 
 
 def test_step_plan_is_read_once_per_step():

@@ -277,7 +277,7 @@ def test_chunk_server_step_in_slots_equals_gathered_states(whole_blocks):
     from vllm_bi.model_executor import gdn as G
 
     W = 4
-    D, R = 2 * H * K + HV * V, CHUNK - 1 + W - 1
+    D, R = 2 * H * K + HV * V, CHUNK + W - 1
     # (computed tokens, new tokens): 40 decodes at every offset in a block, then prefills
     reqs = [(4 * CHUNK + (7 * i) % CHUNK, 1) for i in range(40)] + [(0, 5), (70, 100), (0, 130)]
     n_dec = 40

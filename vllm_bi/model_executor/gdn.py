@@ -293,15 +293,17 @@ def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor,
 def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
     """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``) and the hybrid mode's steps with chunk rows. Each state
     slot holds the fp32 state at the request's last block boundary (``ssm_cache``) and, in the widened conv cache
-    (``R = CHUNK - 1 + W - 1`` rows of ``[mixed_qkv | a | b]``), the raw inputs of its last ``R`` tokens, which
-    hold the partial block since that boundary and the conv state before it. A request whose first new token
+    (``R = CHUNK + W - 1`` rows of ``[mixed_qkv | a | b]``, :func:`history_rows`), the raw inputs of its last ``R``
+    tokens, which hold the partial block since that boundary and the conv state before it. A request whose first new token
     sits at absolute position ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
     (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped.
 
     The history's layout (:func:`_chunk_index`): the chunk mode keeps it as a ring, the token at absolute position
     ``p`` in row ``p % R``, so a step reads only the rows it needs and writes only its new rows (a decode step
     writes one row per request, where a shifted history would be moved whole: 279 MB per layer at 256 requests
-    of Qwen3.5-9B). The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
+    of Qwen3.5-9B). When every request's rows from ``W - 1`` before its block to its last new one fit in the ring
+    at once (every decode step: ``63 + W - 1 + 1 = R``), the new rows are written first and each block is then
+    one gather from the ring. The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
     decode steps (:func:`_hybrid_recurrent`, CUDA graphs) read the conv state without knowing the positions.
     On CUDA the chunk mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial
     block reads its state in place); CPU and the hybrid mode gather them and store the ones that moved."""
@@ -314,18 +316,26 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     N = len(plan.ranges)
     # the raw rows [mixed_qkv | a | b] as the history stores them (a and b through mixed_qkv's dtype first)
     raw = [t.to(mixed_qkv.dtype).to(conv_cache.dtype) for t in (mixed_qkv, a, b)]
-    cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
-    head = torch.cat([cached.new_zeros(1, C), cached])  # src rows 0 (zeros) and 1.. (the rows read)
-    full = None  # src = [head; raw rows], built only when a block re-runs cached rows
+    full = head = None  # src = [head; raw rows]: head = [a zero row; the history rows read]
+    if ix.fits:  # the new rows into the ring first; then each block is its rows there, one gather
+        _write_ring(hist_cache, plan, ix, raw)
+        blk = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]
+        conv0 = hist_cache[plan.slot_t[ix.conv_req], ix.conv_rows, :D]
+        conv0 = torch.where(ix.conv_zero[:, None], 0, conv0)  # before the sequence's start, or a new request
+    else:
+        cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
+        head = torch.cat([cached.new_zeros(1, C), cached])
+        conv0 = head[ix.conv_rows, :D]
+        if ix.direct is None:  # the blocks re-run cached rows: gathered from src
+            full = torch.cat([head, torch.cat(raw, dim=-1)])
+            blk = full[ix.block_rows]
     if ix.direct is not None:
         # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
         # used where they lie; its conv state comes from the history alone
         qkv_blk, a_blk, b_blk = (t[: ix.direct] for t in raw)
     else:
-        full = torch.cat([head, torch.cat(raw, dim=-1)])
-        blk = full[ix.block_rows]
         qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
-    conv0 = head[ix.conv_rows, :D].reshape(N, W - 1, D)
+    conv0 = conv0.reshape(N, W - 1, D)
     in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
@@ -347,9 +357,9 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
     elif not in_slots and ix.store.numel():
         store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
-    if not hybrid:  # ring: the new rows into their rows
-        hist_cache[plan.slot_t[ix.write_req], ix.write_row] = torch.cat([t[ix.write_src] for t in raw], dim=-1)
-    else:  # shifted: the whole new history
+    if not hybrid and not ix.fits:  # ring: the new rows into their rows
+        _write_ring(hist_cache, plan, ix, raw)
+    elif hybrid:  # shifted: the whole new history
         new_hist = full[ix.write_src] if full is not None else _take(head, raw, ix.write_src)
         hist_cache[plan.slot_t] = new_hist.reshape(N, R, C)
 
@@ -400,6 +410,12 @@ def _in_place(dev: torch.device) -> bool:
     return dev.type == "cuda"
 
 
+def _write_ring(hist_cache: torch.Tensor, plan: "StepPlan", ix: "_ChunkIndex", raw: list[torch.Tensor]) -> None:
+    """The chunk mode's new history rows into the ring (:func:`_chunk_index`): the last ``R`` new rows of each
+    request, the token at position ``p`` into row ``p % R`` of its slot."""
+    hist_cache[plan.slot_t[ix.write_req], ix.write_row] = torch.cat([t[ix.write_src] for t in raw], dim=-1)
+
+
 def _take(head: torch.Tensor, parts: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
     """Rows ``idx`` of ``src = [head; cat(parts, -1)]`` (:class:`_ChunkIndex`'s row numbering) without building
     ``src``: each part and ``head`` are gathered at ``idx`` (clamped) and the right one kept."""
@@ -419,11 +435,18 @@ class _ChunkIndex:
     (``keep_rows``), and the requests whose boundary state must be stored (``store``: new ones and those that
     reached a new block boundary; None: every request). ``direct``: when no request re-runs cached rows and the
     requests' rows are the step's first ``direct`` rows in order, that count (the block rows are then the new
-    rows where they lie), else None."""
+    rows where they lie), else None.
+
+    ``fits`` (ring, not direct): every request's positions from ``W - 1`` before its block to its last new row fit
+    in the ring at once (decode steps). The new rows are then written first, and the numbering is the ring's
+    own: (``cache_req``, ``cache_row``) are the blocks' rows in order, (``conv_req``, ``conv_rows``) the conv
+    states' rows, ``conv_zero`` those that are zeros (before the sequence's start, or a new request's)."""
 
     def __init__(self, **parts):
         self.cache_req = self.cache_row = self.conv_rows = self.block_rows = self.keep_rows = None
         self.write_req = self.write_row = self.write_src = self.store = self.ranges = self.direct = None
+        self.conv_req = self.conv_zero = None
+        self.fits = False
         self.__dict__.update(parts)
 
 
@@ -455,7 +478,14 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
         off = torch.arange(int(length.sum())) - torch.repeat_interleave(length.cumsum(0) - length, length)
         return req, first[req] + off
 
-    cache_req, cache_pos = spans(lo, st - lo)
+    in_order = ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(N - 1))
+    direct = ranges[-1][1] if in_order and not bool(redo.any()) else None
+    # fits: the ring holds each request's W - 1 conv rows, its block's cached rows and its new ones at once
+    fits = ring and direct is None and bool((redo + (W - 1) + n <= R).all()) and not bool((fresh & (st > 0)).any())
+    if fits:  # the rows read: the blocks' rows in order, new ones included (in the ring by then)
+        cache_req, cache_pos = spans(b0, redo + n)
+    else:  # positions lo..st-1
+        cache_req, cache_pos = spans(lo, st - lo)
     cache_row = cache_pos % R if ring else R - st[cache_req] + cache_pos
     read_off = (st - lo).cumsum(0) - (st - lo)
     n_read = int((st - lo).sum())
@@ -474,8 +504,13 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
     store = torch.tensor([j for j in range(N) if fresh[j] or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
                           or (plan.chunk_rows is not None and plan.chunk_rows[j] < keep[j] + int(n[j]))],
                          dtype=torch.long)
-    conv_rows = src(*spans(b0 - (W - 1), torch.full((N,), W - 1)))
-    block_rows = src(*spans(b0, blk_len))
+    conv_req, conv_pos = spans(b0 - (W - 1), torch.full((N,), W - 1))
+    if fits:
+        conv_rows, block_rows = conv_pos % R, torch.arange(0)
+        conv_zero = ((conv_pos < 0) | fresh[conv_req]).to(torch.long)
+    else:
+        conv_rows, block_rows = src(conv_req, conv_pos), src(*spans(b0, blk_len))
+        conv_req, conv_zero = torch.arange(0), torch.arange(0)
     if ring:  # the new tokens' raw rows, the last R of each request, into row p % R
         kept = torch.minimum(n, torch.full((N,), R))
         write_req, write_pos = spans(st + n - kept, kept)
@@ -484,26 +519,34 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
         write_req, write_row = torch.arange(0), torch.arange(0)
         write_src = src(*spans(st + n - R, torch.full((N,), R)))
     parts = dict(cache_req=cache_req, cache_row=cache_row, conv_rows=conv_rows, block_rows=block_rows,
-                 keep_rows=keep_rows, store=store, write_req=write_req, write_row=write_row, write_src=write_src)
+                 keep_rows=keep_rows, store=store, write_req=write_req, write_row=write_row, write_src=write_src,
+                 conv_req=conv_req, conv_zero=conv_zero)
     on_dev = host_to(torch.cat(list(parts.values())), dev).split([t.numel() for t in parts.values()])
     ix = _ChunkIndex(**dict(zip(parts, on_dev)))
     ix.store = None if store.numel() == N else ix.store
+    ix.conv_zero = ix.conv_zero.bool()
     ix.ranges = [(bounds[j], bounds[j + 1]) for j in range(N)]
-    in_order = ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(N - 1))
-    ix.direct = ranges[-1][1] if in_order and not any(keep) else None
+    ix.direct, ix.fits = direct, fits
     plan.chunk[key] = ix
     return ix
 
 
+def history_rows(conv_kernel_size: int) -> int:
+    """Rows of the chunk and hybrid modes' widened conv history: ``CHUNK + W - 1``, so that a decode's ring rows
+    (the ``W - 1`` before its block, up to 63 cached, its new one) fit at once (:func:`_chunk_index`)."""
+    return CHUNK + conv_kernel_size - 1
+
+
 def chunk_state_shape(orig):
     """Wrap ``MambaStateShapeCalculator.gated_delta_net_state_shape`` for the chunk-aligned mode: the conv
-    state keeps ``CHUNK - 1`` more rows and ``2 * num_v_heads`` more columns (the raw ``a``, ``b``)."""
+    state keeps :func:`history_rows` rows (``CHUNK`` more than stock's ``W - 1``) and ``2 * num_v_heads`` more
+    columns (the raw ``a``, ``b``)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     def gated_delta_net_state_shape(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
                                     conv_kernel_size, num_spec=0):
         conv, temporal = orig(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
-                              conv_kernel_size + CHUNK - 1, num_spec)
+                              history_rows(conv_kernel_size) + 1, num_spec)
         extra = 2 * num_v_heads // tp_world_size
         conv = (conv[0] + extra, conv[1]) if is_conv_state_dim_first() else (conv[0], conv[1] + extra)
         return conv, temporal
