@@ -205,6 +205,19 @@ def test_hybrid_output_gradients_take_one_pass_and_match_float64():
         assert rel <= 3e-2, f"sequence {j} d/dstate: relative error {rel:.3e}"
 
 
+def _blocks_in_slots(lens, seed, pool_seed):
+    """Sequences of ``lens`` rows (from seed ``seed``), a state pool of ``len(lens) + 3`` slots with a padded slot
+    stride (``buf`` is its memory), the sequences' shuffled slots, and their states gathered as the server did
+    (``[N, HV, V, K]``)."""
+    seqs = [_seq(T, seed + i) for i, T in enumerate(lens)]
+    N, S = len(lens), len(lens) + 3
+    gen = torch.Generator().manual_seed(pool_seed)
+    buf = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)
+    pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
+    slots = torch.randperm(S, generator=gen)[:N].to(DEV)
+    return seqs, buf, pool, slots, pool[slots].transpose(-1, -2).clone()
+
+
 def test_partial_blocks_in_slots_equal_fla_core():
     """The partial-block kernel (``gdn_chunk_decode.partial_blocks_in_slots``: boundary states read from their slots,
     fla-core's state and output kernels replaced by one; the chunk server's decode on CUDA since it passed) == the chunk
@@ -213,13 +226,8 @@ def test_partial_blocks_in_slots_equal_fla_core():
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
 
     for lens in ([1, 2, 5, 17, 31, 32, 33, 48, 62, 63], [33] * 256):
-        seqs = [_seq(T, 500 + i) for i, T in enumerate(lens)]
-        N, S = len(lens), len(lens) + 3
-        gen = torch.Generator().manual_seed(N)
-        buf = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)
-        pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
-        slots = torch.randperm(S, generator=gen)[:N].to(DEV)
-        states = pool[slots].transpose(-1, -2).clone()  # [N, HV, V, K], as the server gathers them
+        seqs, buf, pool, slots, states = _blocks_in_slots(lens, 500, len(lens))
+        N = len(lens)
         o_ref, _, _ = gdn_run(gdn_chunk_varlen, seqs, states)
         before = buf.clone()
         o, _, _ = gdn_run(lambda q, k, v, g, beta, _s, cu: (partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu,
@@ -239,13 +247,8 @@ def test_whole_blocks_in_slots_equal_fla_core():
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
 
     for lens in ([64, 1, 64, 33, 63, 64], [64] * 256):
-        seqs = [_seq(T, 900 + i) for i, T in enumerate(lens)]
-        N, S = len(lens), len(lens) + 3
-        gen = torch.Generator().manual_seed(N + 1)
-        buf = (torch.randn(S, HV * K * V + 16, generator=gen) * 0.2).to(DEV)
-        pool = buf[:, : HV * K * V].unflatten(1, (HV, K, V))
-        slots = torch.randperm(S, generator=gen)[:N].to(DEV)
-        states = pool[slots].transpose(-1, -2).clone()  # [N, HV, V, K], as the server gathers them
+        seqs, _, pool, slots, states = _blocks_in_slots(lens, 900, len(lens) + 1)
+        N, S = len(lens), pool.shape[0]
         o_ref, finals, _ = gdn_run(gdn_chunk_varlen, seqs, states)
         before = pool.clone()
         o, _, cu = gdn_run(lambda q, k, v, g, beta, _s, cu: (partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu,
