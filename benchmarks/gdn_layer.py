@@ -44,6 +44,7 @@ server columns' GPU time (kernels and copies, torch.profiler): what a decode ste
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -157,18 +158,19 @@ def time_stock_forward(shape: Shape, dev: str, reps: int) -> tuple[float, float]
 
 def time_server_core(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:
     """:func:`server_step` timed: (wall, GPU time) milliseconds."""
-    step = server_step(shape, mode, dev)
-    return timed(step, reps), gpu_ms(step)
+    with server_step(shape, mode, dev) as step:
+        return timed(step, reps), gpu_ms(step)
 
 
+@contextlib.contextmanager
 def server_step(shape: Shape, mode: str, dev: str):
     """The server's GDN glue for one layer and one scheduler step, ``gdn.bi_gdn_core`` as vLLM calls it, as a
-    function of no arguments: the states and conv states read from shuffled cache slots (new requests zeroed),
+    function of no arguments (yielded; the metadata and mode patches are entered once, around its calls, so
+    their cost is not timed): the states and conv states read from shuffled cache slots (new requests zeroed),
     the core, the states stored back; in the chunk mode decode also assembles the partial block from the
     widened conv history (``shape.chunk_lens`` - 1 cached rows per sequence) and stores the new history. The
     step's plan (the host reads of the scheduler metadata and the index tensors) is built on the first call and
     then shared, as the server shares it between the model's GDN layers."""
-    import contextlib
     import types
     from unittest import mock
 
@@ -201,12 +203,10 @@ def server_step(shape: Shape, mode: str, dev: str):
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
 
     def step():
-        with contextlib.ExitStack() as patches:
-            patches.enter_context(mock.patch.object(G, "_metadata", return_value=md))
-            patches.enter_context(mock.patch.object(G, "gdn_mode", return_value=mode))
-            G.bi_gdn_core(layer, mixed, b, a, out)
+        G.bi_gdn_core(layer, mixed, b, a, out)
 
-    return step
+    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
+        yield step
 
 
 def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float, float]:

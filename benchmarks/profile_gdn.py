@@ -177,11 +177,11 @@ def server_breakdown(n: int, rows: int, mode: str, reps: int):
     from common import gpu_ms
     from gdn_layer import Shape, server_step
 
-    step = server_step(Shape(f"decode {n}", [1] * n, True, rows - 1), mode, "cuda")
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    return ({"server step (wall)": f"{timed(step, reps):.3f}", "server step (GPU)": f"{gpu_ms(step):.3f}",
-             "conv state dim first": str(is_conv_state_dim_first())}, *_profile(step))
+    with server_step(Shape(f"decode {n}", [1] * n, True, rows - 1), mode, "cuda") as step:
+        return ({"server step (wall)": f"{timed(step, reps):.3f}", "server step (GPU)": f"{gpu_ms(step):.3f}",
+                 "conv state dim first": str(is_conv_state_dim_first())}, *_profile(step))
 
 
 def conv_tilings(spec: str, reps: int) -> dict[str, float]:

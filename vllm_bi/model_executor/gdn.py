@@ -324,6 +324,8 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         conv0 = torch.where(ix.conv_zero[:, None], 0, conv0)  # before the sequence's start, or a new request
     else:
         cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
+        if not hybrid:  # ring: the new rows into their rows, once the rows they may overwrite are read
+            _write_ring(hist_cache, plan, ix, raw)
         head = torch.cat([cached.new_zeros(1, C), cached])
         conv0 = head[ix.conv_rows, :D]
         if ix.direct is None:  # the blocks re-run cached rows: gathered from src
@@ -353,13 +355,12 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     # a request that reached no new block boundary gets back its input state, bit for bit: its slot already
     # holds it (unless it is new), so only the others are stored (at decode, about 1 request in CHUNK;
     # chunk_in_slots stores its own)
-    if not in_slots and ix.store is None:
-        store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
-    elif not in_slots and ix.store.numel():
-        store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
-    if not hybrid and not ix.fits:  # ring: the new rows into their rows
-        _write_ring(hist_cache, plan, ix, raw)
-    elif hybrid:  # shifted: the whole new history
+    if not in_slots:
+        if ix.store is None:
+            store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
+        elif ix.store.numel():
+            store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
+    if hybrid:  # shifted: the whole new history
         new_hist = full[ix.write_src] if full is not None else _take(head, raw, ix.write_src)
         hist_cache[plan.slot_t] = new_hist.reshape(N, R, C)
 
