@@ -242,8 +242,8 @@ def test_whole_blocks_in_slots_equal_fla_core():
     """``partial_blocks_in_slots`` on segments that complete their block (64 rows), mixed with partial ones: the
     outputs and the state each whole block writes into its slot (fla-core's state kernel's step, repeated by
     ``gdn_chunk_decode._block_state_kernel``) == ``gdn_chunk_varlen``'s outputs and boundary states, bit for bit;
-    the partial blocks' slots and the unused ones unchanged. Until this passes, the server sends whole blocks to
-    fla-core (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``)."""
+    the partial blocks' slots and the unused ones unchanged. The server sends whole blocks there
+    (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``, on since this passed in session 14)."""
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
 
     for lens in ([64, 1, 64, 33, 63, 64], [64] * 256):

@@ -36,9 +36,10 @@ CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
 BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
-# writes the state at the block's end. Off until its GPU test
-# (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) has shown fla-core's bits.
-WHOLE_BLOCKS_IN_SLOTS = False
+# writes the state at the block's end. On since session 14, when its GPU test
+# (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
+# mode's parity suite passed with it (docs/results/2026-12-01-h200-session14.md).
+WHOLE_BLOCKS_IN_SLOTS = True
 
 try:
     import triton
