@@ -284,7 +284,7 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     row p % R. A decode step reads each request's partial block and the W - 1 rows before it, and writes one row;
     a new request reads nothing (its conv state is the zero row); a prefill longer than R writes only its last R
     rows. The hybrid mode's shifted history rewrites all R rows of every request. A step of decodes fits in the
-    ring at once: its new rows are written first, then each block is read in one gather."""
+    ring at once: its new rows are written first, then the conv reads each block's rows there."""
     from vllm_bi.attention.gdn_chunk import CHUNK
     from vllm_bi.model_executor.gdn import StepPlan, _chunk_index
 
@@ -310,16 +310,17 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     shifted = _chunk_index(StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2]),
                            R, W, False, "cpu")
     assert shifted.write_src.numel() == 3 * R and shifted.write_req.numel() == 0 and not shifted.fits
-    # a step of decodes fits: its new rows go into the ring first, then each block is one gather from the ring
-    # (positions 128..130, 64, 0..2), the conv rows before it (125..127, 61..63, and -3..-1: zeros)
+    # a step of decodes fits: its new rows go into the ring first, then the conv reads each block in the ring
+    # (positions 128..130, 64, 0..2) after the conv rows before it (125..127, 61..63, and -3..-1: zeros)
     dec = StepPlan([(0, 1), (1, 2), (2, 3)], None, torch.tensor([5, 2, 0]), None, [130, 64, 2], [])
     fx = _chunk_index(dec, R, W, True, "cpu")
     assert fx.fits and fx.direct is None
     assert list(zip(fx.cache_req.tolist(), fx.cache_row.tolist())) == [
         (0, 128 % R), (0, 129 % R), (0, 130 % R), (1, 64 % R), (2, 0), (2, 1), (2, 2)]
-    assert fx.conv_req.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert fx.conv_rows.tolist() == [125 % R, 126 % R, 127 % R, 61, 62, 63, (-3) % R, (-2) % R, (-1) % R]
-    assert fx.conv_zero.tolist() == [False] * 6 + [True] * 3
+    # what the conv reads in the ring: each request's W - 1 conv rows then its block (RingRows' ext entries)
+    assert fx.ext_req.tolist() == [0] * 6 + [1] * 4 + [2] * 6
+    assert fx.ext_row.tolist() == [125 % R, 126 % R, 127 % R, 128 % R, 129 % R, 130 % R, 61, 62, 63, 64 % R,
+                                   -1, -1, -1, 0, 1, 2]
     assert list(zip(fx.write_req.tolist(), fx.write_row.tolist(), fx.write_src.tolist())) == [
         (0, 130 % R, 0), (1, 64 % R, 1), (2, 2, 2)]
     # with the ring one row shorter a decode completing its block (63 cached rows) would not fit

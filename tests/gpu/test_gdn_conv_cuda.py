@@ -1,7 +1,7 @@
 """The GDN short conv on CUDA (``causal_conv1d_varlen`` -> the Triton kernel of ``vllm_bi.ops.conv``) at
 Qwen3.5-9B GDN width (8192 channels, width 4).
 
-Exact (``torch.equal``): a sequence's outputs and new conv state alone == in a packed batch; a prompt split
+Exact (``torch.equal``): the ring conv == the plain kernel on gathered rows; a sequence's outputs and new conv state alone == in a packed batch; a prompt split
 at an arbitrary row and resumed from the first part's conv state == the whole prompt. Correctness: outputs
 vs the float64 formula within 1e-2 absolute + 1e-2 relative (bf16 output); gradients of x and weight
 (the Triton backward) vs float64 autograd, relative L2 <= 1e-2.
@@ -91,3 +91,12 @@ def test_block_sizes_do_not_change_the_bits():
     ref = triton_causal_conv1d(x, w, st, seq, pos, starts, True)
     for blocks in ((16, 256, 4), (64, 64, 4), (32, 128, 8), (128, 32, 2)):
         assert torch.equal(triton_causal_conv1d(x, w, st, seq, pos, starts, True, blocks), ref), blocks
+
+
+def test_ring_conv_gives_the_plain_kernels_bits():
+    """The chunk mode's decode conv (``ops.conv.ring_causal_conv1d``: rows read in place in the history ring, q, k
+    and v written apart) == the plain kernel on the same rows gathered, ``torch.equal``: the compiled kernels'
+    arithmetic (fp32 taps in order, FMA contraction) is the same (``tests/conv_ring_case.py``)."""
+    from conv_ring_case import check_ring_conv
+
+    check_ring_conv(DEV)

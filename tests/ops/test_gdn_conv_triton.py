@@ -2,7 +2,9 @@
 interpreter on CPU: the forward's logic (sequence starts, conv-state taps, channel masking, SiLU) against the
 float64 formula (within 1e-2 absolute + 1e-2 relative: bf16 output), a sequence's rows alone == the same rows
 in a packed batch, exactly; the backward's gradients of x, weight and the conv states against float64
-autograd of the formula (relative L2 <= 1e-2: bf16 inputs, fp32 arithmetic). Invariance and speed in compiled form are measured on the GPU
+autograd of the formula (relative L2 <= 1e-2: bf16 inputs, fp32 arithmetic). The ring conv (the chunk mode's
+decode: rows read in place, q, k, v written apart) == the plain kernel on the same rows gathered, exactly
+(``tests/conv_ring_case.py``). Invariance and speed in compiled form are measured on the GPU
 (tests/gpu/test_gdn_conv_cuda.py)."""
 
 import os
@@ -68,4 +70,13 @@ SCRIPT = textwrap.dedent("""
 def test_triton_conv_logic_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_ring_conv_logic_in_interpreter():
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"import sys; sys.path.insert(0, {tests!r}); from conv_ring_case import check_ring_conv; " \
+             "check_ring_conv('cpu'); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

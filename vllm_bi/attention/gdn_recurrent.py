@@ -43,7 +43,7 @@ from vllm_bi.ops.reduce import row_sum
 __all__ = [
     "gdn_gating", "l2norm", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen", "causal_conv1d",
     "causal_conv1d_varlen", "rows_of", "host_to", "index_on",
-    "gdn_sequence", "gdn_varlen",
+    "gdn_sequence", "gdn_varlen", "RingRows",
 ]
 
 L2NORM_EPS = 1e-6
@@ -480,6 +480,28 @@ def gdn_sequence(
     return o, new_conv_state, new_state
 
 
+class RingRows:
+    """The conv's input rows of a step, read where they lie in the chunk mode's history ring (its decode steps,
+    ``model_executor/gdn.py``) instead of gathered first: ``src [S, R, C]`` the ring (any strides; the conv reads
+    its first ``D`` columns), ``seq [T]`` each token's sequence (device), and ``ext``: for each sequence, in order,
+    its ``W - 1`` conv-state rows then its tokens' rows, each ``slot * R + row`` of ``src`` or ``-1`` for a zero
+    row (:func:`vllm_bi.ops.conv.ring_causal_conv1d`). CUDA reads them in the conv kernel; elsewhere
+    :meth:`gather` builds the plain conv's inputs from the same indices."""
+
+    def __init__(self, src: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor):
+        self.src, self.ext, self.seq = src, ext, seq
+
+    def gather(self, weight_shape, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x [T, D], conv_states [N, W-1, D])`` for :func:`causal_conv1d_varlen`, sequences packed as ``cu``."""
+        (D, W), R, dev = weight_shape, self.src.shape[1], self.src.device
+        r = self.ext.clamp(min=0)
+        rows = torch.where((self.ext >= 0)[:, None], self.src[r // R, r % R, :D], 0)
+        N, T = len(cu) - 1, cu[-1]
+        first = torch.tensor(cu[:-1], device=dev) + torch.arange(N, device=dev) * (W - 1)  # each one's entries
+        conv = rows[first[:, None] + torch.arange(W - 1, device=dev)]
+        return rows[torch.arange(T, device=dev) + self.seq * (W - 1) + (W - 1)], conv
+
+
 def gdn_varlen(
     mixed_qkv: torch.Tensor,
     ranges: list[tuple[int, int]],
@@ -512,6 +534,8 @@ def gdn_varlen(
     ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
     (zeros for a new sequence). The conv and the gating are elementwise per token and the
     recurrence is :func:`gdn_recurrent_varlen`, so no sequence's numbers depend on the others.
+    ``mixed_qkv`` may be :class:`RingRows` (no autograd; the sequences packed in order; ``conv_states`` unused),
+    and the new conv states are then None on CUDA.
     Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``; with
     ``packed=True`` the outputs are one tensor ``[sum(e-s), HV, V]``, the sequences in order. Under autograd
     take the packed form: each per-sequence slice costs the backward a zero tensor of the whole output's size
@@ -529,16 +553,30 @@ def gdn_varlen(
     cu = [0]
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
+    ring = mixed_qkv if isinstance(mixed_qkv, RingRows) else None
+    if ring is not None and not ring.src.is_cuda:  # CPU: the rows gathered out of the ring, then the plain conv
+        mixed_qkv, conv_states = ring.gather(conv_weight.shape, cu)
+        ring = None
     if all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1)):  # packed in order: views
-        x_in, a, b = (t[ranges[0][0] : ranges[-1][1]] for t in (mixed_qkv, a, b))
+        x_in = None if ring is not None else mixed_qkv[ranges[0][0] : ranges[-1][1]]
+        a, b = (t[ranges[0][0] : ranges[-1][1]] for t in (a, b))
+    elif ring is not None:
+        raise ValueError("gdn_varlen: RingRows need the sequences packed in order")
     else:
         rows = rows_of(ranges, a.device)
         x_in, a, b = mixed_qkv[rows], a[rows], b[rows]
-    x, new_conv = causal_conv1d_varlen(x_in, cu, conv_weight, conv_states, activation)
-    T = x.shape[0]
-    q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
-    k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
-    v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
+    if ring is not None:  # CUDA: one kernel reads the rows in the ring and writes q, k, v apart
+        from vllm_bi.ops.conv import ring_causal_conv1d
+
+        q, k, v = ring_causal_conv1d(ring.src, ring.ext, ring.seq, conv_weight, activation is not None, key_dim)
+        new_conv, T = None, q.shape[0]
+        q, k, v = q.view(T, num_k_heads, head_k_dim), k.view(T, num_k_heads, head_k_dim), v.view(T, -1, head_v_dim)
+    else:
+        x, new_conv = causal_conv1d_varlen(x_in, cu, conv_weight, conv_states, activation)
+        T = x.shape[0]
+        q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
+        k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
+        v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gdn_gating(A_log, a, b, dt_bias)
     if slots is not None:
         if mode == "recurrent":

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode, hybrid_chunk_rows
-from vllm_bi.attention.gdn_recurrent import gdn_varlen, host_to, rows_of, step_cached
+from vllm_bi.attention.gdn_recurrent import RingRows, gdn_varlen, host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
@@ -317,11 +317,14 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     # the raw rows [mixed_qkv | a | b] as the history stores them (a and b through mixed_qkv's dtype first)
     raw = [t.to(mixed_qkv.dtype).to(conv_cache.dtype) for t in (mixed_qkv, a, b)]
     full = head = None  # src = [head; raw rows]: head = [a zero row; the history rows read]
-    if ix.fits:  # the new rows into the ring first; then each block is its rows there, one gather
+    if ix.fits:  # the new rows into the ring first; then the conv reads each block's rows there
         _write_ring(hist_cache, plan, ix, raw)
-        blk = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]
-        conv0 = hist_cache[plan.slot_t[ix.conv_req], ix.conv_rows, :D]
-        conv0 = torch.where(ix.conv_zero[:, None], 0, conv0)  # before the sequence's start, or a new request
+        if ix.ext is None:  # the ring rows of each request's conv state and block, as RingRows takes them
+            at = plan.slot_t[ix.ext_req] * R + ix.ext_row
+            ix.ext = torch.where(ix.ext_row >= 0, at, -1)  # -1: before the sequence's start (zeros)
+        blk = RingRows(hist_cache, ix.ext, ix.cache_req)
+        ab = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row, D:]  # the blocks' a and b columns
+        conv0 = None
     else:
         cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
         if not hybrid:  # ring: the new rows into their rows, once the rows they may overwrite are read
@@ -335,9 +338,12 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
         # used where they lie; its conv state comes from the history alone
         qkv_blk, a_blk, b_blk = (t[: ix.direct] for t in raw)
+    elif ix.fits:
+        qkv_blk, a_blk, b_blk = blk, ab[:, :HV], ab[:, HV:]
     else:
         qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
-    conv0 = conv0.reshape(N, W - 1, D)
+    if conv0 is not None:
+        conv0 = conv0.reshape(N, W - 1, D)
     in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
@@ -440,13 +446,14 @@ class _ChunkIndex:
 
     ``fits`` (ring, not direct): every request's positions from ``W - 1`` before its block to its last new row fit
     in the ring at once (decode steps). The new rows are then written first, and the numbering is the ring's
-    own: (``cache_req``, ``cache_row``) are the blocks' rows in order, (``conv_req``, ``conv_rows``) the conv
-    states' rows, ``conv_zero`` those that are zeros (before the sequence's start, or a new request's)."""
+    own: (``cache_req``, ``cache_row``) are the blocks' rows in order, and (``ext_req``, ``ext_row``) each
+    request's ``W - 1`` conv-state rows then its block's rows (``-1``: before the sequence's start, a zero row),
+    made into :class:`RingRows`' ``ext`` on the step's first GDN layer."""
 
     def __init__(self, **parts):
         self.cache_req = self.cache_row = self.conv_rows = self.block_rows = self.keep_rows = None
         self.write_req = self.write_row = self.write_src = self.store = self.ranges = self.direct = None
-        self.conv_req = self.conv_zero = None
+        self.ext_req = self.ext_row = self.ext = None
         self.fits = False
         self.__dict__.update(parts)
 
@@ -505,13 +512,13 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
     store = torch.tensor([j for j in range(N) if fresh[j] or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
                           or (plan.chunk_rows is not None and plan.chunk_rows[j] < keep[j] + int(n[j]))],
                          dtype=torch.long)
-    conv_req, conv_pos = spans(b0 - (W - 1), torch.full((N,), W - 1))
-    if fits:
-        conv_rows, block_rows = conv_pos % R, torch.arange(0)
-        conv_zero = ((conv_pos < 0) | fresh[conv_req]).to(torch.long)
+    if fits:  # each request's conv rows and block rows, in the ring (-1: before the sequence's start)
+        conv_rows = block_rows = torch.arange(0)
+        ext_req, ext_pos = spans(b0 - (W - 1), blk_len + (W - 1))
+        ext_row = torch.where(ext_pos < 0, -1, ext_pos % R)
     else:
-        conv_rows, block_rows = src(conv_req, conv_pos), src(*spans(b0, blk_len))
-        conv_req, conv_zero = torch.arange(0), torch.arange(0)
+        conv_rows, block_rows = src(*spans(b0 - (W - 1), torch.full((N,), W - 1))), src(*spans(b0, blk_len))
+        ext_req = ext_row = torch.arange(0)
     if ring:  # the new tokens' raw rows, the last R of each request, into row p % R
         kept = torch.minimum(n, torch.full((N,), R))
         write_req, write_pos = spans(st + n - kept, kept)
@@ -521,11 +528,10 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
         write_src = src(*spans(st + n - R, torch.full((N,), R)))
     parts = dict(cache_req=cache_req, cache_row=cache_row, conv_rows=conv_rows, block_rows=block_rows,
                  keep_rows=keep_rows, store=store, write_req=write_req, write_row=write_row, write_src=write_src,
-                 conv_req=conv_req, conv_zero=conv_zero)
+                 ext_req=ext_req, ext_row=ext_row)
     on_dev = host_to(torch.cat(list(parts.values())), dev).split([t.numel() for t in parts.values()])
     ix = _ChunkIndex(**dict(zip(parts, on_dev)))
     ix.store = None if store.numel() == N else ix.store
-    ix.conv_zero = ix.conv_zero.bool()
     ix.ranges = [(bounds[j], bounds[j + 1]) for j in range(N)]
     ix.direct, ix.fits = direct, fits
     plan.chunk[key] = ix

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["triton_causal_conv1d", "triton_causal_conv1d_backward", "CausalConv1dTriton"]
+__all__ = ["triton_causal_conv1d", "triton_causal_conv1d_backward", "CausalConv1dTriton", "ring_causal_conv1d"]
 
 BLOCK_T, BLOCK_D = 16, 256
 
@@ -49,6 +49,12 @@ if triton is not None:
         return tl.load(w_ptr + d.to(tl.int64) * W + w, mask=md, other=0.0).to(tl.float32)
 
     @triton.jit
+    def act(acc, SILU: tl.constexpr):
+        if SILU:
+            acc = acc / (1.0 + tl.exp(-acc))
+        return acc
+
+    @triton.jit
     def rows(seq_ptr, pos_ptr, start_ptr, T, D, BT: tl.constexpr, BD: tl.constexpr):
         t = tl.program_id(0) * BT + tl.arange(0, BT)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -66,9 +72,35 @@ if triton is not None:
         for w in tl.static_range(W):
             wv = wtap(w_ptr, d, md, w, W)
             acc += tap(x_ptr, st_ptr, j, p, s0, dd, m, D, w, W) * wv[None, :]
-        if SILU:
-            acc = acc / (1.0 + tl.exp(-acc))
+        acc = act(acc, SILU)
         tl.store(y_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def causal_conv1d_ring_kernel(src_ptr, ext_ptr, w_ptr, seq_ptr, q_ptr, k_ptr, v_ptr, T, D, R, s_slot, s_row,
+                                  s_col, KD: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
+                                  BD: tl.constexpr):
+        # causal_conv1d_kernel's arithmetic, its inputs read where they lie: token t of sequence j takes its W
+        # taps from ext entries t + j*(W-1) + w, each a row slot*R + row of src (or -1: a zero row); the output
+        # columns [0, KD), [KD, 2KD) and [2KD, D) go to q, k and v, each contiguous
+        t = tl.program_id(0) * BT + tl.arange(0, BT)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        mt, md = t < T, d < D
+        j = tl.load(seq_ptr + t, mask=mt, other=0).to(tl.int64)
+        e = t.to(tl.int64) + j * (W - 1)
+        dd = d.to(tl.int64)[None, :]
+        m = mt[:, None] & md[None, :]
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for w in tl.static_range(W):
+            wv = wtap(w_ptr, d, md, w, W)
+            r = tl.load(ext_ptr + e + w, mask=mt, other=-1)
+            at = (r // R) * s_slot + (r % R) * s_row
+            xv = tl.load(src_ptr + at[:, None] + dd * s_col, mask=m & (r >= 0)[:, None], other=0.0)
+            acc += xv.to(tl.float32) * wv[None, :]
+        y = act(acc, SILU).to(q_ptr.dtype.element_ty)
+        tt = t.to(tl.int64)[:, None]
+        tl.store(q_ptr + tt * KD + dd, y, mask=m & (dd < KD))
+        tl.store(k_ptr + tt * KD + (dd - KD), y, mask=m & (dd >= KD) & (dd < 2 * KD))
+        tl.store(v_ptr + tt * (D - 2 * KD) + (dd - 2 * KD), y, mask=m & (dd >= 2 * KD))
 
     @triton.jit
     def conv_bwd_dz_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, pos_ptr, start_ptr, gy_ptr, dz_ptr, dw_ptr, T, D,
@@ -162,6 +194,29 @@ def triton_causal_conv1d_backward(gy, x, weight, conv_states, seq, pos, starts, 
             g = dz[rows] if T else torch.zeros(N, D, device=x.device)
             dst[:, r] += torch.where(ok, g, 0.0) * weight[:, w].float()
     return dx, dweight, dst.to(conv_states.dtype)
+
+
+def ring_causal_conv1d(src: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor, weight: torch.Tensor, silu: bool,
+                       key_dim: int, blocks: tuple[int, int, int] = (BLOCK_T, BLOCK_D, 4)
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`triton_causal_conv1d`'s outputs, bit for bit, from rows read in place and written apart (no autograd):
+    the chunk mode's decode step reads each partial block and its conv rows straight from the history ring.
+
+    ``src [S, R, C]`` (any strides; its first ``D = weight.shape[0]`` columns are the conv's input), ``seq [T]``
+    each output token's sequence, ``ext`` for sequence ``j`` its ``W - 1 + n_j`` input rows in order (its conv
+    state, then its tokens), each ``slot * R + row`` of ``src`` or ``-1`` for a zero row; sequence ``j``'s entries
+    start at ``cu_j + j * (W - 1)``. Returns ``(q [T, key_dim], k [T, key_dim], v [T, D - 2 * key_dim])``, each
+    contiguous, in ``src``'s dtype: the columns a plain conv would give, without the copies that split them."""
+    _kernels()  # Triton is there
+    T, (D, W) = seq.shape[0], weight.shape
+    bt, bd, warps = blocks
+    q, k = (torch.empty(T, key_dim, dtype=src.dtype, device=src.device) for _ in range(2))
+    v = torch.empty(T, D - 2 * key_dim, dtype=src.dtype, device=src.device)
+    if T:
+        causal_conv1d_ring_kernel[_grid(T, D, bt, bd)](
+            src, ext, weight.contiguous(), seq, q, k, v, T, D, src.shape[1], *src.stride(), KD=key_dim, W=W,
+            SILU=silu, BT=bt, BD=bd, num_warps=warps)
+    return q, k, v
 
 
 class CausalConv1dTriton(torch.autograd.Function):
