@@ -35,6 +35,9 @@ __all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs"]
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
 BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
+# The partial-block kernel's warps and pipeline stages: they decide how the hardware schedules its tiles, which
+# benchmarks/decode_tiles.py checks leave the bits as they are before timing them.
+PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
 # writes the state at the block's end. On since session 14, when its GPU test
 # (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
@@ -183,7 +186,7 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
         q, k, w, u, g = (t.contiguous() for t in (q, k, w, u, g))
         _partial_block_kernel[(triton.cdiv(V, BV), N * HV)](
             q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
-            TWO=K > 64, num_warps=4, num_stages=3)
+            TWO=K > 64, **PARTIAL_LAUNCH)
         if whole is not None and whole.numel():  # after the outputs, which read the boundary states
             _block_state_kernel[(triton.cdiv(V, BV_STATE), whole.numel() * HV)](
                 k, w, u, g, pool, pool.stride(0), slots, cu, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,

@@ -1,0 +1,88 @@
+"""Launch settings of the chunk mode's two decode kernels at Qwen3.5-9B GDN dimensions on CUDA, a 256 x 33 decode
+step (the mean partial block): the ring conv (``ops.conv.ring_causal_conv1d``: tokens x channels per program, warps)
+and the partial-block kernel (``gdn_chunk_decode.PARTIAL_LAUNCH``: warps, pipeline stages).
+
+    python benchmarks/decode_tiles.py [--batch 256] [--rows 33] [--out table.md]
+
+Each setting is first checked to give the current setting's bits (``torch.equal`` of every output; a setting that
+differs is reported and not timed, and must not be used), then timed: GPU time from ``torch.profiler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import emit, gpu_ms
+from gdn_layer import H, HV, K, V
+
+CONV_BLOCKS = [(16, 256, 4), (32, 256, 4), (8, 256, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4), (16, 256, 8),
+               (32, 256, 8), (16, 512, 8), (64, 128, 8)]
+PARTIAL = [(4, 3), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 3), (2, 2), (2, 3)]
+
+
+def conv_rows(batch: int, rows: int, dev: str) -> list[str]:
+    from vllm_bi.ops.conv import ring_causal_conv1d
+
+    W, R, D = 4, 67, 2 * H * K + HV * V
+    ring = torch.randn(2 * batch, R, D + 2 * HV, device=dev).bfloat16()
+    weight = (torch.randn(D, W, device=dev) * 0.5).bfloat16()
+    slots = torch.randperm(2 * batch, device=dev)[:batch]
+    start = torch.randint(0, R, (batch,), device=dev)
+    per = W - 1 + rows
+    ext = (slots[:, None] * R + (start[:, None] + torch.arange(per, device=dev)) % R).reshape(-1)
+    seq = torch.arange(batch, device=dev).repeat_interleave(rows)
+    ref = ring_causal_conv1d(ring, ext, seq, weight, True, H * K, CONV_BLOCKS[0])
+    out = []
+    for blocks in CONV_BLOCKS:
+        got = ring_causal_conv1d(ring, ext, seq, weight, True, H * K, blocks)
+        if not all(torch.equal(a, b) for a, b in zip(got, ref)):
+            out.append(f"| ring conv | {blocks} | **differs** | |")
+            continue
+        ms = gpu_ms(lambda: ring_causal_conv1d(ring, ext, seq, weight, True, H * K, blocks))
+        out.append(f"| ring conv | {blocks} | equal | {ms:.3f} |")
+    return out
+
+
+def partial_rows(batch: int, rows: int, dev: str) -> list[str]:
+    from chunk_decode import _inputs
+
+    from vllm_bi.attention import gdn_chunk_decode as CD
+
+    q, k, v, g, beta, pool, slots, cu = _inputs(batch, rows, dev)
+    setting = dict(CD.PARTIAL_LAUNCH)
+
+    def run():
+        return CD.partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5)
+
+    ref = run()
+    out = []
+    try:
+        for warps, stages in PARTIAL:
+            CD.PARTIAL_LAUNCH = dict(num_warps=warps, num_stages=stages)
+            if not torch.equal(run(), ref):
+                out.append(f"| partial block | warps {warps}, stages {stages} | **differs** | |")
+                continue
+            out.append(f"| partial block | warps {warps}, stages {stages} | equal | {gpu_ms(run):.3f} |")
+    finally:
+        CD.PARTIAL_LAUNCH = setting
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=33)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.batch} x {args.rows} decode "
+             f"rows at Qwen3.5-9B GDN dims; GPU ms (the first row of each kernel is the current setting)", "",
+             "| kernel | setting | bits | GPU ms |", "| --- | --- | --- | ---: |",
+             *conv_rows(args.batch, args.rows, "cuda"), *partial_rows(args.batch, args.rows, "cuda")]
+    emit("\n".join(lines), args.out)
+
+
+if __name__ == "__main__":
+    main()
