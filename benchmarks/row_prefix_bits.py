@@ -6,7 +6,8 @@ between steps and compute only its new rows (docs/performance.md, "Chunk-mode de
 
 Each sequence is one block of random rows (q/k/v/gate inputs as after the conv). For every cut ``t`` the
 same blocks are cut after ``t`` rows and run through the launches ``gdn_chunk_decode.partial_blocks_in_slots``
-runs (l2norm, ``chunk_local_cumsum``, ``chunk_gated_delta_rule_fwd_intra``: the kkt solve and ``recompute_w_u``)
+runs (``block_intermediates``: l2norm, ``chunk_local_cumsum``, ``chunk_gated_delta_rule_fwd_intra``, which is
+the kkt solve and ``recompute_w_u``)
 and through the partial-block kernel; rows ``< t`` are compared with the same blocks' at 63 rows (``torch.equal``). The
 table prints, per cut and output, how many of the batch's blocks agree on every such row; the cut at 63 is the
 reference itself, so its row must read N in every column.
@@ -24,28 +25,12 @@ from gdn_layer import H, HV, K, V
 
 def stages(q, k, v, g, beta, pool, slots, lens: list[int]) -> dict[str, torch.Tensor]:
     """The decode pipeline's intermediate rows (packed) for blocks of ``lens`` rows."""
-    from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum
-    from fla.ops.utils.constant import RCP_LN2
+    from vllm_bi.attention.gdn_chunk_decode import block_intermediates, partial_block_outputs
 
-    from vllm_bi.attention.gdn_chunk import CHUNK, pin_fla_chunk_configs
-    from vllm_bi.attention.gdn_chunk_decode import partial_block_outputs
-
-    pin_fla_chunk_configs()
-    dev = q.device
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=dev)
-    chunks = torch.stack([torch.arange(len(lens), device=dev), torch.zeros(len(lens), device=dev, dtype=torch.long)],
-                         1)
-    qn, _ = l2norm_fwd(q.unsqueeze(0).contiguous())
-    kn, _ = l2norm_fwd(k.unsqueeze(0).contiguous())
-    gc = chunk_local_cumsum(g.unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu,
-                            chunk_indices=chunks)
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=kn, v=v.unsqueeze(0).contiguous(), g=gc,
-                                              beta=beta.unsqueeze(0).contiguous(), cu_seqlens=cu,
-                                              chunk_indices=chunks, chunk_size=CHUNK)
-    o = partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu, K**-0.5)  # writes no state
-    return dict(kn=kn[0], gc=gc[0], w=w[0], u=u[0], o=o)
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    qn, kn, gc, w, u, cu_t = block_intermediates(q, k, v, g, beta, cu)
+    o = partial_block_outputs(qn, kn, w, u, gc, pool, slots, cu_t, K**-0.5)  # writes no state
+    return dict(kn=kn, gc=gc, w=w, u=u, o=o)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs"]
+__all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs", "block_intermediates"]
 
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
@@ -206,6 +206,20 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if any(n > CHUNK or n < 1 for n in lens):
         raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK} rows, got {lens}")
     _check("partial_blocks_in_slots", q, pool, v.shape[1], k.shape[2], v.shape[2])
+    from vllm_bi.attention.gdn_recurrent import index_on
+
+    qn, kn, gc, w, u, cu_t = block_intermediates(q, k, v, g, beta, cu)
+    whole = [j for j, n in enumerate(lens) if n == CHUNK]
+    return partial_block_outputs(qn, kn, w, u, gc, pool, slots, cu_t, scale,
+                                 index_on(whole, q.device) if whole else None)
+
+
+def block_intermediates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        cu: list[int]) -> tuple[torch.Tensor, ...]:
+    """fla-core's launches before its state and output kernels, on segments of one block each (``cu``: host
+    offsets, every segment starting at a boundary): ``(qn, kn, gc, w, u, cu_t)``: q and k l2-normalised, the gate's
+    cumulative sum per block (log2 scale), the WY form's ``w [T, HV, K]`` and ``u [T, HV, V]``, and ``cu`` on the
+    device. Their configs are pinned (``gdn_chunk.pin_fla_chunk_configs``), so they give ``gdn_chunk_varlen``'s bits."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
     from fla.ops.utils import chunk_local_cumsum
@@ -217,7 +231,7 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     pin_fla_chunk_configs()
     dev = q.device
     cu_t = index_on(cu, dev)
-    chunks = index_on([x for j in range(len(lens)) for x in (j, 0)], dev).view(-1, 2)  # one chunk per segment
+    chunks = index_on([x for j in range(len(cu) - 1) for x in (j, 0)], dev).view(-1, 2)  # one chunk per segment
     qn, _ = l2norm_fwd(q.unsqueeze(0).contiguous())
     kn, _ = l2norm_fwd(k.unsqueeze(0).contiguous())
     gc = chunk_local_cumsum(g.unsqueeze(0).contiguous(), chunk_size=CHUNK, scale=RCP_LN2, cu_seqlens=cu_t,
@@ -225,9 +239,7 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     w, u, _ = chunk_gated_delta_rule_fwd_intra(k=kn, v=v.unsqueeze(0).contiguous(), g=gc,
                                               beta=beta.unsqueeze(0).contiguous(), cu_seqlens=cu_t,
                                               chunk_indices=chunks, chunk_size=CHUNK)
-    whole = [j for j, n in enumerate(lens) if n == CHUNK]
-    return partial_block_outputs(qn[0], kn[0], w[0], u[0], gc[0], pool, slots, cu_t, scale,
-                                 index_on(whole, dev) if whole else None)
+    return qn[0], kn[0], gc[0], w[0], u[0], cu_t
 
 
 def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
