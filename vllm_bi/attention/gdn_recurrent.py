@@ -503,7 +503,7 @@ class RingRows:
 
 
 def gdn_varlen(
-    mixed_qkv: torch.Tensor,
+    mixed_qkv: torch.Tensor | RingRows,
     ranges: list[tuple[int, int]],
     conv_weight: torch.Tensor,
     conv_states: torch.Tensor,
