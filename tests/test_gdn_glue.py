@@ -399,3 +399,15 @@ def test_hybrid_decode_steps_take_the_device_plan_only_under_capture(monkeypatch
     monkeypatch.setattr(G, "_capturing", lambda dev: True)
     captured = G.step_plan(md(), torch.device("cpu"))
     assert captured.starts is None and captured.chunk_rows is None and captured.slot_t.tolist() == [5, 1]
+
+
+def test_ring_rows_refuse_autograd():
+    """The ring conv has no backward: a RingRows input with a weight that wants a gradient is refused by name,
+    not run without one."""
+    from vllm_bi.attention.gdn_recurrent import RingRows, gdn_varlen
+
+    ring = RingRows(torch.zeros(2, 7, 8), torch.full((4,), -1), torch.zeros(1, dtype=torch.long))
+    weight = torch.zeros(8, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="RingRows .* has no backward"):
+        gdn_varlen(ring, [(0, 1)], weight, None, torch.zeros(1), torch.zeros(1, 1), torch.zeros(1, 1),
+                   torch.zeros(1), torch.zeros(1, 1, 2, 2), 1, 2, 2)

@@ -554,6 +554,9 @@ def gdn_varlen(
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
     ring = mixed_qkv if isinstance(mixed_qkv, RingRows) else None
+    if ring is not None and torch.is_grad_enabled() and conv_weight.requires_grad:
+        raise RuntimeError("gdn_varlen: RingRows (the server's decode conv) has no backward; the trainer passes "
+                           "its mixed_qkv rows as a tensor")
     if ring is not None and not ring.src.is_cuda:  # CPU: the rows gathered out of the ring, then the plain conv
         mixed_qkv, conv_states = ring.gather(conv_weight.shape, cu)
         ring = None
