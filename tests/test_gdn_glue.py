@@ -160,8 +160,8 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
 
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_chunk_glue_decode_steps_read_the_ring_after_writing(dim_first):
-    """Chunk mode, steps of decodes only (``_chunk_index``'s ``fits``: the new rows go into the ring first and each
-    block is one gather from it): a decode 2 tokens into its sequence (conv rows before the start are zeros), one
+    """Chunk mode, steps of decodes only (``_chunk_index``'s ``fits``: the new rows go into the ring first and the
+    conv reads each block there, through ``RingRows``): a decode 2 tokens into its sequence (conv rows before the start are zeros), one
     completing its block (63 cached rows + 1: the ring's every row) and one just past a boundary, for three steps,
     give exactly the trainer's outputs."""
     from vllm_bi.model_executor.gdn import _chunk_index

@@ -302,8 +302,8 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     ``p`` in row ``p % R``, so a step reads only the rows it needs and writes only its new rows (a decode step
     writes one row per request, where a shifted history would be moved whole: 279 MB per layer at 256 requests
     of Qwen3.5-9B). When every request's rows from ``W - 1`` before its block to its last new one fit in the ring
-    at once (every decode step: ``63 + W - 1 + 1 = R``), the new rows are written first and each block is then
-    one gather from the ring. The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
+    at once (every decode step: ``63 + W - 1 + 1 = R``), the new rows are written first and the conv then reads
+    each block's rows in the ring (:class:`RingRows`: on CUDA one kernel, which also writes q, k, v apart). The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
     decode steps (:func:`_hybrid_recurrent`, CUDA graphs) read the conv state without knowing the positions.
     On CUDA the chunk mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial
     block reads its state in place); CPU and the hybrid mode gather them and store the ones that moved."""
