@@ -322,28 +322,23 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         if ix.ext is None:  # the ring rows of each request's conv state and block, as RingRows takes them
             at = plan.slot_t[ix.ext_req] * R + ix.ext_row
             ix.ext = torch.where(ix.ext_row >= 0, at, -1)  # -1: before the sequence's start (zeros)
-        blk = RingRows(hist_cache, ix.ext, ix.cache_req)
+        qkv_blk = RingRows(hist_cache, ix.ext, ix.cache_req)
         ab = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row, D:]  # the blocks' a and b columns
-        conv0 = None
+        a_blk, b_blk, conv0 = ab[:, :HV], ab[:, HV:], None  # RingRows carries the conv rows
     else:
         cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
         if not hybrid:  # ring: the new rows into their rows, once the rows they may overwrite are read
             _write_ring(hist_cache, plan, ix, raw)
         head = torch.cat([cached.new_zeros(1, C), cached])
-        conv0 = head[ix.conv_rows, :D]
-        if ix.direct is None:  # the blocks re-run cached rows: gathered from src
+        conv0 = head[ix.conv_rows, :D].reshape(N, W - 1, D)
+        if ix.direct is not None:
+            # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new
+            # rows, used where they lie; its conv state comes from the history alone
+            qkv_blk, a_blk, b_blk = (t[: ix.direct] for t in raw)
+        else:  # the blocks re-run cached rows: gathered from src
             full = torch.cat([head, torch.cat(raw, dim=-1)])
             blk = full[ix.block_rows]
-    if ix.direct is not None:
-        # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new rows,
-        # used where they lie; its conv state comes from the history alone
-        qkv_blk, a_blk, b_blk = (t[: ix.direct] for t in raw)
-    elif ix.fits:
-        qkv_blk, a_blk, b_blk = blk, ab[:, :HV], ab[:, HV:]
-    else:
-        qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
-    if conv0 is not None:
-        conv0 = conv0.reshape(N, W - 1, D)
+            qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
     in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
