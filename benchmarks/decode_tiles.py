@@ -1,6 +1,7 @@
 """Launch settings of the chunk mode's two decode kernels at Qwen3.5-9B GDN dimensions on CUDA, a 256 x 33 decode
 step (the mean partial block): the ring conv (``ops.conv.ring_causal_conv1d``: tokens x channels per program, warps)
-and the partial-block kernel (``gdn_chunk_decode.PARTIAL_LAUNCH``: warps, pipeline stages).
+and the partial-block kernel (``gdn_chunk_decode.PARTIAL_LAUNCH``: warps, pipeline stages, and whether a program
+takes a key head's value heads and every value tile).
 
     python benchmarks/decode_tiles.py [--batch 256] [--rows 33] [--out table.md]
 
@@ -20,7 +21,10 @@ from gdn_layer import H, HV, K, V
 CONV_BLOCKS = [(16, 256, 4), (4, 256, 4), (8, 256, 4), (32, 256, 4), (4, 512, 4), (8, 512, 4), (8, 128, 4),
                (16, 128, 4), (32, 128, 4), (64, 64, 4), (4, 256, 2), (8, 256, 2), (16, 128, 2), (16, 256, 8),
                (32, 256, 8), (8, 512, 8), (16, 512, 8), (64, 128, 8), (4, 1024, 8)]
-PARTIAL = [(4, 3), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2), (8, 3), (2, 2), (2, 3)]
+# (warps, stages, group: a key head's value heads in one program, all_v: every value tile in one program)
+PARTIAL = [(4, 3, False, False), (4, 2, False, False), (8, 2, False, False), (4, 3, True, False),
+           (8, 3, True, False), (4, 3, False, True), (8, 3, False, True), (8, 2, False, True), (4, 3, True, True),
+           (8, 3, True, True), (8, 2, True, True), (16, 2, True, True)]
 
 
 def conv_rows(batch: int, rows: int, dev: str) -> list[str]:
@@ -60,12 +64,13 @@ def partial_rows(batch: int, rows: int, dev: str) -> list[str]:
     ref = run()
     out = []
     try:
-        for warps, stages in PARTIAL:
-            CD.PARTIAL_LAUNCH = dict(num_warps=warps, num_stages=stages)
+        for warps, stages, group, all_v in PARTIAL:
+            CD.PARTIAL_LAUNCH = dict(num_warps=warps, num_stages=stages, group=group, all_v=all_v)
+            name = f"warps {warps}, stages {stages}" + (", group" if group else "") + (", all_v" if all_v else "")
             if not torch.equal(run(), ref):
-                out.append(f"| partial block | warps {warps}, stages {stages} | **differs** | |")
+                out.append(f"| partial block | {name} | **differs** | |")
                 continue
-            out.append(f"| partial block | warps {warps}, stages {stages} | equal | {gpu_ms(run):.3f} |")
+            out.append(f"| partial block | {name} | equal | {gpu_ms(run):.3f} |")
     finally:
         CD.PARTIAL_LAUNCH = setting
     return out

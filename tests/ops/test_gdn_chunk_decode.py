@@ -2,7 +2,7 @@
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
 interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read, except that a whole block (64 rows)
 writes the state at its end into its slot (against float64 too); a block alone == the same block in a
-batch (exact); bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
+batch (exact), and == with a program taking a key head's value heads or every value tile; bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
 (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)."""
 
 import pytest
@@ -11,7 +11,10 @@ pytest.importorskip("triton")
 
 SCRIPT = """
 import torch
+from vllm_bi.attention import gdn_chunk_decode as CD
 from vllm_bi.attention.gdn_chunk_decode import partial_block_outputs, partial_blocks_in_slots
+
+launch = dict(CD.PARTIAL_LAUNCH)
 
 torch.manual_seed(0)
 for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
@@ -46,6 +49,14 @@ for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
     alone = partial_block_outputs(q[s:e], k[s:e], w[s:e], u[s:e], g[s:e], pool, torch.tensor([slots[2]]),
                                   torch.tensor([0, e - s]), scale)
     assert torch.equal(alone, o[s:e])
+    # a program taking a key head's value heads and/or every value tile runs the same tile arithmetic: same bits
+    for group, all_v in ((True, False), (False, True), (True, True)):
+        CD.PARTIAL_LAUNCH = dict(launch, group=group, all_v=all_v)
+        try:
+            other = partial_block_outputs(q, k, w, u, g, pool, torch.tensor(slots), cu, scale)
+        finally:
+            CD.PARTIAL_LAUNCH = launch
+        assert torch.equal(other, o), (H, HV, K, V, group, all_v)
 
 # whole blocks: a 64-row segment's slot gets the state at the block's end, the others' slots stay as they were
 for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):

@@ -35,9 +35,10 @@ __all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs",
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
 BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
-# The partial-block kernel's warps and pipeline stages: they decide how the hardware schedules its tiles, which
-# benchmarks/decode_tiles.py checks leave the bits as they are before timing them.
-PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3)
+# The partial-block kernel's launch: warps and pipeline stages (how the hardware schedules its tiles), and what one
+# program takes: ``group`` all value heads of a key head (else one), ``all_v`` every value tile (else one). None of
+# them changes a tile's arithmetic; benchmarks/decode_tiles.py checks each leaves the bits as they are before timing it.
+PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3, group=False, all_v=False)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
 # writes the state at the block's end. On since session 14, when its GPU test
 # (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
@@ -62,55 +63,66 @@ if triton is not None:
     @triton.jit
     def _partial_block_kernel(q, k, w, u, g, o, pool, slot_stride, slots, cu, scale,
                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                              BT: tl.constexpr, BVO: tl.constexpr, TWO: tl.constexpr):
-        vb = tl.program_id(0).to(tl.int64)
-        seq_head = tl.program_id(1).to(tl.int64)
-        seq, hv = seq_head // HV, seq_head % HV
-        hk = hv // (HV // H)
+                              BT: tl.constexpr, BVO: tl.constexpr, TWO: tl.constexpr, HEADS: tl.constexpr,
+                              VBLOCKS: tl.constexpr):
+        # a program takes HEADS value heads of one key head (1, or all HV // H of its group) times VBLOCKS value
+        # tiles of BVO columns (1, or all of them): q k^T is computed once for them, q, k and w loaded once; each
+        # (value head, tile) is the same tile arithmetic whichever program runs it
+        vb0 = tl.program_id(0).to(tl.int64) * VBLOCKS
+        pid = tl.program_id(1).to(tl.int64)
+        seq = pid // (HV // HEADS)
+        hv0 = (pid % (HV // HEADS)) * HEADS
+        hk = hv0 // (HV // H)
         first = tl.load(cu + seq).to(tl.int64)
         n = tl.load(cu + seq + 1).to(tl.int64) - first
         slot = tl.load(slots + seq).to(tl.int64)
         rows = tl.arange(0, BT)
         row_ok = rows < n
         ks = tl.arange(0, 64)
-        vs = vb * BVO + tl.arange(0, BVO)
-        v_ok = vs < V
-        state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
-        # the boundary state's first 64 keys (and the next 64 when K = 128), fp32 as the state kernel keeps it
-        S1 = tl.zeros([64, BVO], dtype=tl.float32)
-        S1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
         q_rows = q + ((first + rows) * H + hk)[:, None] * K
         k_rows = k + ((first + rows) * H + hk)[:, None] * K
-        w_rows = w + ((first + rows) * HV + hv)[:, None] * K
-        w1 = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
         q1 = tl.load(q_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
         k1 = tl.load(k_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-        Sb1 = S1.to(w1.dtype)
-        wS = tl.dot(w1, Sb1)
-        qS = tl.dot(q1, Sb1)
-        qk = tl.dot(q1, tl.trans(k1))
+        qk0 = tl.dot(q1, tl.trans(k1))
         if TWO:
-            S2 = tl.zeros([64, BVO], dtype=tl.float32)
-            S2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
-            w2 = tl.load(w_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
             q2 = tl.load(q_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
             k2 = tl.load(k_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
-            Sb2 = S2.to(w2.dtype)
-            wS = tl.dot(w2, Sb2, wS)
-            qS = tl.dot(q2, Sb2, qS)
-            qk = tl.dot(q2, tl.trans(k2), qk)
-        tile_ok = row_ok[:, None] & v_ok[None, :]
-        u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
-        # rows past the block: w and u load as zeros, so v_new is +0 there, as fla-core's masked load of it
-        v_new = (tl.load(u_rows, mask=tile_ok, other=0.0) - wS).to(w1.dtype)
-        gt = tl.load(g + (first + rows) * HV + hv, mask=row_ok, other=0.0)
-        qS = qS * fla_exp2(gt)[:, None]
-        qk = qk * fla_exp2(gt[:, None] - gt[None, :])
+            qk0 = tl.dot(q2, tl.trans(k2), qk0)
         causal = (rows[:, None] >= rows[None, :]) & (row_ok[:, None] & row_ok)
-        qk = tl.where(causal, qk, 0)
-        out = qS * scale + tl.dot(qk.to(v_new.dtype), v_new) * scale
-        o_rows = o + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
-        tl.store(o_rows, out.to(o.dtype.element_ty), mask=tile_ok)
+        for i in tl.static_range(HEADS):
+            hv = hv0 + i
+            w_rows = w + ((first + rows) * HV + hv)[:, None] * K
+            w1 = tl.load(w_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            if TWO:
+                w2 = tl.load(w_rows + (64 + ks)[None, :], mask=row_ok[:, None], other=0.0)
+            gt = tl.load(g + (first + rows) * HV + hv, mask=row_ok, other=0.0)
+            qk = qk0 * fla_exp2(gt[:, None] - gt[None, :])
+            qk = tl.where(causal, qk, 0).to(w1.dtype)
+            for b in tl.static_range(VBLOCKS):
+                vs = (vb0 + b) * BVO + tl.arange(0, BVO)
+                v_ok = vs < V
+                state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
+                # the boundary state's first 64 keys (and the next 64 when K = 128), fp32 as the state kernel
+                # keeps it
+                S1 = tl.zeros([64, BVO], dtype=tl.float32)
+                S1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+                Sb1 = S1.to(w1.dtype)
+                wS = tl.dot(w1, Sb1)
+                qS = tl.dot(q1, Sb1)
+                if TWO:
+                    S2 = tl.zeros([64, BVO], dtype=tl.float32)
+                    S2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
+                    Sb2 = S2.to(w2.dtype)
+                    wS = tl.dot(w2, Sb2, wS)
+                    qS = tl.dot(q2, Sb2, qS)
+                tile_ok = row_ok[:, None] & v_ok[None, :]
+                u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+                # rows past the block: w and u load as zeros, so v_new is +0 there, as fla-core's masked load of it
+                v_new = (tl.load(u_rows, mask=tile_ok, other=0.0) - wS).to(w1.dtype)
+                qS = qS * fla_exp2(gt)[:, None]
+                out = qS * scale + tl.dot(qk, v_new) * scale
+                o_rows = o + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+                tl.store(o_rows, out.to(o.dtype.element_ty), mask=tile_ok)
 
 
     @triton.jit
@@ -184,9 +196,12 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
     N = slots.shape[0]
     if N and T:
         q, k, w, u, g = (t.contiguous() for t in (q, k, w, u, g))
-        _partial_block_kernel[(triton.cdiv(V, BV), N * HV)](
+        launch = dict(PARTIAL_LAUNCH)
+        heads = HV // H if launch.pop("group") else 1
+        vblocks = triton.cdiv(V, BV) if launch.pop("all_v") else 1
+        _partial_block_kernel[(triton.cdiv(V, BV) // vblocks, N * HV // heads)](
             q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
-            TWO=K > 64, **PARTIAL_LAUNCH)
+            TWO=K > 64, HEADS=heads, VBLOCKS=vblocks, **launch)
         if whole is not None and whole.numel():  # after the outputs, which read the boundary states
             _block_state_kernel[(triton.cdiv(V, BV_STATE), whole.numel() * HV)](
                 k, w, u, g, pool, pool.stride(0), slots, cu, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,
