@@ -22,9 +22,9 @@ CONV_BLOCKS = [(16, 256, 4), (4, 256, 4), (8, 256, 4), (32, 256, 4), (4, 512, 4)
                (16, 128, 4), (32, 128, 4), (64, 64, 4), (4, 256, 2), (8, 256, 2), (16, 128, 2), (16, 256, 8),
                (32, 256, 8), (8, 512, 8), (16, 512, 8), (64, 128, 8), (4, 1024, 8)]
 # (warps, stages, group: a key head's value heads in one program, all_v: every value tile in one program)
-PARTIAL = [(4, 3, False, False), (4, 2, False, False), (8, 2, False, False), (4, 3, True, False),
-           (8, 3, True, False), (4, 3, False, True), (8, 3, False, True), (8, 2, False, True), (4, 3, True, True),
-           (8, 3, True, True), (8, 2, True, True), (16, 2, True, True)]
+PARTIAL = [(4, 3, False, True), (4, 3, False, False), (4, 2, False, False), (8, 2, False, False), (4, 3, True, False),
+           (8, 3, True, False), (4, 1, False, True), (4, 2, False, True), (4, 4, False, True), (2, 3, False, True),
+           (8, 3, False, True), (4, 3, True, True), (8, 3, True, True), (2, 2, True, True)]
 
 
 def conv_rows(batch: int, rows: int, dev: str) -> list[str]:

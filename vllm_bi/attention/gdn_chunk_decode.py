@@ -38,7 +38,9 @@ BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
 # The partial-block kernel's launch: warps and pipeline stages (how the hardware schedules its tiles), and what one
 # program takes: ``group`` all value heads of a key head (else one), ``all_v`` every value tile (else one). None of
 # them changes a tile's arithmetic; benchmarks/decode_tiles.py checks each leaves the bits as they are before timing it.
-PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3, group=False, all_v=False)
+# ``all_v`` with 4 warps and 3 stages: 0.575 ms against 0.704 ms for partial_blocks_in_slots at 256 x 33 (the kernel
+# 0.42 -> 0.29 ms), same bits (session 15, docs/results/2026-12-01-h200-session15.md).
+PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3, group=False, all_v=True)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
 # writes the state at the block's end. On since session 14, when its GPU test
 # (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
