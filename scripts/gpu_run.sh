@@ -88,9 +88,21 @@ restore_caches() {
   return 0
 }
 
+# part4's tilelang without part5's z3 imports half-way ("Failed to import z3, consider to reinstall tilelang") and
+# every vLLM engine started then died at its first request (session 15, call 4): run nothing but installs until
+# part5 is in too.
+half_tilelang() {
+  ls "$SITE"/.installed.part4.* >/dev/null 2>&1 && ! ls "$SITE"/.installed.part5.* >/dev/null 2>&1
+}
+
 [ "${VLLM_BI_NO_INSTALL:-0}" = 1 ] || { install_all; restore_caches; }
 env_setup
 [ $# -eq 0 ] && set -- install
+if half_tilelang && [ "$*" != install ]; then
+  echo "ERROR: part4 (tilelang) is installed without part5 (z3), which breaks vLLM's engine: install part5 first" \
+       "(carry .gpu_bundle/part5 in the next call), then run jobs" >&2
+  exit 2
+fi
 while [ $# -gt 0 ]; do
   job="$1"; shift
   case "$job" in
