@@ -1,7 +1,9 @@
 """Launch settings of the chunk mode's two decode kernels at Qwen3.5-9B GDN dimensions on CUDA, a 256 x 33 decode
 step (the mean partial block): the ring conv (``ops.conv.ring_causal_conv1d``: tokens x channels per program, warps)
 and the partial-block kernel (``gdn_chunk_decode.PARTIAL_LAUNCH``: warps, pipeline stages, and whether a program
-takes a key head's value heads and every value tile).
+takes a key head's value heads and every value tile); and, at 64 rows per request (every block completes), the
+block-state kernel (``gdn_chunk_decode.STATE_LAUNCH``). The GPU ms of the partial-block rows and the block-state rows
+are those of ``partial_blocks_in_slots`` whole (fla-core's launches before the kernels included).
 
     python benchmarks/decode_tiles.py [--batch 256] [--rows 33] [--out table.md]
 
@@ -76,6 +78,41 @@ def partial_rows(batch: int, rows: int, dev: str) -> list[str]:
     return out
 
 
+# the block-state kernel (warps, stages, all_v: every value tile of a head in one program), at 64 rows per request
+STATE = [(4, 4, False), (4, 4, True), (4, 3, True), (4, 2, True), (8, 4, True), (8, 2, True)]
+
+
+def state_rows(batch: int, dev: str) -> list[str]:
+    """The step where every request completes its block: ``partial_blocks_in_slots`` at 64 rows, whose second kernel
+    writes each block's end state into its slot. Each setting runs from the same pool and must give the reference's
+    outputs and states; the timed calls keep writing into one pool (the values change, the work does not)."""
+    from chunk_decode import _inputs
+
+    from vllm_bi.attention import gdn_chunk_decode as CD
+
+    q, k, v, g, beta, pool0, slots, cu = _inputs(batch, CD.CHUNK, dev)
+    setting = dict(CD.STATE_LAUNCH)
+
+    def run(pool):
+        return CD.partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5)
+
+    ref_pool = pool0.clone()
+    ref = run(ref_pool)
+    out = []
+    try:
+        for warps, stages, all_v in STATE:
+            CD.STATE_LAUNCH = dict(num_warps=warps, num_stages=stages, all_v=all_v)
+            name = f"warps {warps}, stages {stages}" + (", all_v" if all_v else "")
+            pool = pool0.clone()
+            if not (torch.equal(run(pool), ref) and torch.equal(pool, ref_pool)):
+                out.append(f"| block state (64 rows) | {name} | **differs** | |")
+                continue
+            out.append(f"| block state (64 rows) | {name} | equal | {gpu_ms(lambda: run(pool)):.3f} |")
+    finally:
+        CD.STATE_LAUNCH = setting
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
@@ -86,7 +123,8 @@ def main() -> None:
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.batch} x {args.rows} decode "
              f"rows at Qwen3.5-9B GDN dims; GPU ms (the first row of each kernel is the reference setting)", "",
              "| kernel | setting | bits | GPU ms |", "| --- | --- | --- | ---: |",
-             *conv_rows(args.batch, args.rows, "cuda"), *partial_rows(args.batch, args.rows, "cuda")]
+             *conv_rows(args.batch, args.rows, "cuda"), *partial_rows(args.batch, args.rows, "cuda"),
+             *state_rows(args.batch, "cuda")]
     emit("\n".join(lines), args.out)
 
 
