@@ -23,10 +23,16 @@ from gdn_layer import H, HV, K, V
 CONV_BLOCKS = [(16, 256, 4), (4, 256, 4), (8, 256, 4), (32, 256, 4), (4, 512, 4), (8, 512, 4), (8, 128, 4),
                (16, 128, 4), (32, 128, 4), (64, 64, 4), (4, 256, 2), (8, 256, 2), (16, 128, 2), (16, 256, 8),
                (32, 256, 8), (8, 512, 8), (16, 512, 8), (64, 128, 8), (4, 1024, 8)]
-# (warps, stages, group: a key head's value heads in one program, all_v: every value tile in one program)
-PARTIAL = [(4, 3, False, True), (4, 3, False, False), (4, 2, False, False), (8, 2, False, False), (4, 3, True, False),
-           (8, 3, True, False), (4, 1, False, True), (4, 2, False, True), (4, 4, False, True), (2, 3, False, True),
-           (8, 3, False, True), (4, 3, True, True), (8, 3, True, True), (2, 2, True, True)]
+# gdn_chunk_decode.PARTIAL_LAUNCH settings (group: a key head's value heads in one program, all_v: every value tile
+# in one program); the first is the reference
+PARTIAL = [dict(num_warps=w, num_stages=st, group=gr, all_v=av) for w, st, gr, av in (
+    (4, 3, False, True), (4, 3, False, False), (4, 2, False, False), (8, 2, False, False), (4, 3, True, False),
+    (8, 3, True, False), (4, 1, False, True), (4, 2, False, True), (4, 4, False, True), (2, 3, False, True),
+    (8, 3, False, True), (4, 3, True, True), (8, 3, True, True), (2, 2, True, True))]
+# gdn_chunk_decode.STATE_LAUNCH settings (the block-state kernel), timed at 64 rows per request; the first is the
+# reference
+STATE = [dict(num_warps=w, num_stages=st, all_v=av) for w, st, av in (
+    (4, 4, False), (4, 4, True), (4, 3, True), (4, 2, True), (8, 4, True), (8, 2, True))]
 
 
 def conv_rows(batch: int, rows: int, dev: str) -> list[str]:
@@ -52,64 +58,36 @@ def conv_rows(batch: int, rows: int, dev: str) -> list[str]:
     return out
 
 
-def partial_rows(batch: int, rows: int, dev: str) -> list[str]:
+def launch_rows(kernel: str, attr: str, settings: list[dict], batch: int, rows: int, dev: str) -> list[str]:
+    """``partial_blocks_in_slots`` on ``batch`` blocks of ``rows`` rows under each of ``settings`` for
+    ``gdn_chunk_decode.<attr>``, each run from the same state pool: its outputs and the pool after it (at 64 rows
+    the block-state kernel writes each block's end state into its slot) must equal the first setting's, or the row
+    says it differs and is not timed. The timed calls keep writing into one pool (the values change, the work does
+    not)."""
     from chunk_decode import _inputs
 
     from vllm_bi.attention import gdn_chunk_decode as CD
 
-    q, k, v, g, beta, pool, slots, cu = _inputs(batch, rows, dev)
-    setting = dict(CD.PARTIAL_LAUNCH)
-
-    def run():
-        return CD.partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5)
-
-    ref = run()
-    out = []
-    try:
-        for warps, stages, group, all_v in PARTIAL:
-            CD.PARTIAL_LAUNCH = dict(num_warps=warps, num_stages=stages, group=group, all_v=all_v)
-            name = f"warps {warps}, stages {stages}" + (", group" if group else "") + (", all_v" if all_v else "")
-            if not torch.equal(run(), ref):
-                out.append(f"| partial block | {name} | **differs** | |")
-                continue
-            out.append(f"| partial block | {name} | equal | {gpu_ms(run):.3f} |")
-    finally:
-        CD.PARTIAL_LAUNCH = setting
-    return out
-
-
-# the block-state kernel (warps, stages, all_v: every value tile of a head in one program), at 64 rows per request
-STATE = [(4, 4, False), (4, 4, True), (4, 3, True), (4, 2, True), (8, 4, True), (8, 2, True)]
-
-
-def state_rows(batch: int, dev: str) -> list[str]:
-    """The step where every request completes its block: ``partial_blocks_in_slots`` at 64 rows, whose second kernel
-    writes each block's end state into its slot. Each setting runs from the same pool and must give the reference's
-    outputs and states; the timed calls keep writing into one pool (the values change, the work does not)."""
-    from chunk_decode import _inputs
-
-    from vllm_bi.attention import gdn_chunk_decode as CD
-
-    q, k, v, g, beta, pool0, slots, cu = _inputs(batch, CD.CHUNK, dev)
-    setting = dict(CD.STATE_LAUNCH)
+    q, k, v, g, beta, pool0, slots, cu = _inputs(batch, rows, dev)
+    saved = dict(getattr(CD, attr))
 
     def run(pool):
         return CD.partial_blocks_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5)
 
-    ref_pool = pool0.clone()
-    ref = run(ref_pool)
-    out = []
+    out, ref = [], None
     try:
-        for warps, stages, all_v in STATE:
-            CD.STATE_LAUNCH = dict(num_warps=warps, num_stages=stages, all_v=all_v)
-            name = f"warps {warps}, stages {stages}" + (", all_v" if all_v else "")
+        for setting in settings:
+            setattr(CD, attr, dict(setting))
+            name = ", ".join(k if v is True else f"{k} {v}" for k, v in setting.items() if v is not False)
             pool = pool0.clone()
-            if not (torch.equal(run(pool), ref) and torch.equal(pool, ref_pool)):
-                out.append(f"| block state (64 rows) | {name} | **differs** | |")
+            got = (run(pool), pool)
+            ref = ref or tuple(t.clone() for t in got)  # the timed calls below write into this pool
+            if not all(torch.equal(x, y) for x, y in zip(got, ref)):
+                out.append(f"| {kernel} | {name} | **differs** | |")
                 continue
-            out.append(f"| block state (64 rows) | {name} | equal | {gpu_ms(lambda: run(pool)):.3f} |")
+            out.append(f"| {kernel} | {name} | equal | {gpu_ms(lambda: run(pool)):.3f} |")
     finally:
-        CD.STATE_LAUNCH = setting
+        setattr(CD, attr, saved)
     return out
 
 
@@ -123,8 +101,9 @@ def main() -> None:
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.batch} x {args.rows} decode "
              f"rows at Qwen3.5-9B GDN dims; GPU ms (the first row of each kernel is the reference setting)", "",
              "| kernel | setting | bits | GPU ms |", "| --- | --- | --- | ---: |",
-             *conv_rows(args.batch, args.rows, "cuda"), *partial_rows(args.batch, args.rows, "cuda"),
-             *state_rows(args.batch, "cuda")]
+             *conv_rows(args.batch, args.rows, "cuda"),
+             *launch_rows("partial block", "PARTIAL_LAUNCH", PARTIAL, args.batch, args.rows, "cuda"),
+             *launch_rows("block state (64 rows)", "STATE_LAUNCH", STATE, args.batch, 64, "cuda")]
     emit("\n".join(lines), args.out)
 
 
