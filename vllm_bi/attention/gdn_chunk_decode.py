@@ -15,8 +15,8 @@ boundary):
 1. fla-core's own launches for what does not touch the state: the l2norm of q and k, the cumulative gate
    (``chunk_local_cumsum``, log2 scale), and the fused kkt + triangular solve with ``recompute_w_u``
    (``chunk_gated_delta_rule_fwd_intra``), with the chunk indices given (no host read);
-2. one kernel of this module in place of fla-core's state and output kernels, per (request, value head, 64 values):
-   the boundary state read from its slot, ``v_new = u - w h`` and ``o`` with the output kernel's tile shapes and
+2. one kernel of this module in place of fla-core's state and output kernels, per tile of (request, value head, 64
+   values), a program taking every tile of its head (:data:`PARTIAL_LAUNCH`): the boundary state read from its slot, ``v_new = u - w h`` and ``o`` with the output kernel's tile shapes and
    operation order: ``h`` rounded to bf16; ``w h`` and ``q h`` as two 64-wide products accumulated in order;
    ``q k^T`` likewise; ``o = (q h) exp2(g) scale + ((q k^T) exp2(g_i - g_j), causal, as bf16) v_new (bf16) scale``.
 
