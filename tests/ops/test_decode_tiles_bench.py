@@ -37,7 +37,7 @@ def perturbed(*a, **kw):
     return o
 CD.partial_block_outputs = perturbed
 
-rows = DT.launch_rows("block state", "STATE_LAUNCH", [DT.STATE[0], DT.STATE[1], dict(DT.STATE[4])], 1, 64, "cpu")
+rows = DT.launch_rows("block state", "STATE_LAUNCH", [DT.STATE[0], DT.STATE[1], DT.STATE[4]], 1, 64, "cpu")
 print("\\n".join(rows))
 assert [r.split("|")[3].strip() for r in rows] == ["equal", "equal", "**differs**"], rows
 rows = DT.launch_rows("partial block", "PARTIAL_LAUNCH", DT.PARTIAL[:2], 1, 9, "cpu")

@@ -2,8 +2,8 @@
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
 interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read, except that a whole block (64 rows)
 writes the state at its end into its slot (against float64 too, and the same bits with every value tile in one
-program); a block alone == the same block in a
-batch (exact), and == with a program taking a key head's value heads or every value tile; bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
+program); a block alone == the same block in a batch (exact), and == with a program taking a key head's value heads
+or every value tile; bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
 (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)."""
 
 import pytest

@@ -16,9 +16,10 @@ boundary):
    (``chunk_local_cumsum``, log2 scale), and the fused kkt + triangular solve with ``recompute_w_u``
    (``chunk_gated_delta_rule_fwd_intra``), with the chunk indices given (no host read);
 2. one kernel of this module in place of fla-core's state and output kernels, per tile of (request, value head, 64
-   values), a program taking every tile of its head (:data:`PARTIAL_LAUNCH`): the boundary state read from its slot, ``v_new = u - w h`` and ``o`` with the output kernel's tile shapes and
-   operation order: ``h`` rounded to bf16; ``w h`` and ``q h`` as two 64-wide products accumulated in order;
-   ``q k^T`` likewise; ``o = (q h) exp2(g) scale + ((q k^T) exp2(g_i - g_j), causal, as bf16) v_new (bf16) scale``.
+   values), a program taking every tile of its head (:data:`PARTIAL_LAUNCH`): the boundary state read from its slot,
+   ``v_new = u - w h`` and ``o`` with the output kernel's tile shapes and operation order: ``h`` rounded to bf16;
+   ``w h`` and ``q h`` as two 64-wide products accumulated in order; ``q k^T`` likewise;
+   ``o = (q h) exp2(g) scale + ((q k^T) exp2(g_i - g_j), causal, as bf16) v_new (bf16) scale``.
 
 A block that completes in a step (64 rows) runs the same, and then a second kernel of this module writes the state at
 its end into the slot: fla-core's state kernel's step for one chunk, with its tile (64 keys x 32 values, 4 warps, 4
