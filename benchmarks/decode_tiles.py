@@ -31,8 +31,7 @@ PARTIAL = [dict(num_warps=w, num_stages=st, group=gr, all_v=av) for w, st, gr, a
     (8, 3, False, True), (4, 3, True, True), (8, 3, True, True), (2, 2, True, True))]
 # gdn_chunk_decode.STATE_LAUNCH settings (the block-state kernel), timed at 64 rows per request; the first is the
 # reference
-STATE = [dict(num_warps=w, num_stages=st, all_v=av) for w, st, av in (
-    (4, 4, False), (4, 4, True), (4, 3, True), (4, 2, True), (8, 4, True), (8, 2, True))]
+STATE = [dict(num_warps=w, num_stages=st) for w, st in ((4, 4), (4, 3), (4, 2), (8, 4), (8, 2))]
 
 
 def conv_rows(batch: int, rows: int, dev: str) -> list[str]:

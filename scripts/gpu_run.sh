@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
-#                                    suite [ARGS ;] (scripts/gpu_suite.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
+#                                    suite [ARGS ;] (scripts/gpu_suite.py), gate [ARGS ;] (scripts/gpu_gate.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
 #                                    moe [ARGS ;] (benchmarks/moe_layer.py: MoE experts, BI loop / triton vs stock),
 #                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches,
@@ -115,6 +115,9 @@ while [ $# -gt 0 ]; do
     serve-parity)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 "$REPO/scripts/gpu_serve_parity.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/serve-parity.log" ;;
+    gate)  # the GPU gate (scripts/gpu_gate.py): gpu-gate.json and gpu-gate.md to $OUT
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      python3 "$REPO/scripts/gpu_gate.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/gate.log" ;;
     suite)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 "$REPO/scripts/gpu_suite.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/suite.log" ;;

@@ -39,7 +39,7 @@ STOCK_ARGS = "--gdn-prefill-backend triton"
 MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
           "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
           "moe-router": ("qwen3.5-moe", "moe-router"),
-          "qwen3.5-tp": ("qwen3.5", "tp")}
+          "qwen3.5-tp": ("qwen3.5", "tp"), "qwen3.5-moe-odd": ("qwen3.5-moe", "odd-heads")}
 RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)
 
 
@@ -181,6 +181,12 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
             _parity(f"parity fast ({fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], max_tokens=16, **fast),
             Job(f"trainer 1 GPU fast ({fast_name}) qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                 {"VLLM_BI_CUDA_OPS": "vllm_bi", **fast_env})],
+        # unusual head shapes (hidden 1536, GDN 4 / 8 heads, 48 experts top-6, 7 layers), prompts of 5-700 tokens, in
+        # every GDN mode, and the stock control
+        "heads": [_parity(f"parity {mode} mode qwen3.5-moe odd-heads", m["qwen3.5-moe-odd"], gdn=mode, max_tokens=64,
+                          prompts=mixed_prompts(models)) for mode in ("chunk", "recurrent", "hybrid")]
+                 + [_parity("control: stock vLLM qwen3.5-moe odd-heads", m["qwen3.5-moe-odd"], stock=True,
+                            max_tokens=64, prompts=mixed_prompts(models))],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],
         "trainer1": [Job("trainer 1 GPU qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                          {"VLLM_BI_CUDA_OPS": "vllm_bi"})],
@@ -200,6 +206,21 @@ def long_prompts(models: str) -> str:
                 # "answer" lets the trainer's jobs use the file as a task (reward: contains)
                 f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n)),
                                     "answer": "state"}) + "\n")
+    return path
+
+
+def mixed_prompts(models: str) -> str:
+    """A JSONL prompts file (written once) of 12 prompts from 5 to about 700 words: shorter than a block, within
+    one, and over ten blocks."""
+    path = os.path.join(models, "mixed_prompts.jsonl")
+    if not os.path.exists(path):
+        os.makedirs(models, exist_ok=True)
+        words = ("a tool call returned its output and the agent read it then wrote the next step of the plan "
+                 "checking each value against the state it kept").split()
+        with open(path, "w") as f:
+            for i, n in enumerate((5, 9, 17, 40, 63, 64, 65, 130, 200, 333, 512, 700)):
+                f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n)),
+                                    "answer": "step"}) + "\n")
     return path
 
 
@@ -398,6 +419,24 @@ def run_process(argv: list[str], log, timeout: float, env: dict | None = None, c
             log.flush()
 
 
+def _copy_server_log(job_log: str, logdir: str, slug: str) -> None:
+    """The tail of the server log a failed `vllm-bi parity` names ("server log: PATH" or "whole log: PATH"), beside
+    the job's log."""
+    import re
+
+    try:
+        with open(job_log, errors="replace") as f:
+            found = re.findall(r"(?:server log|whole log): (\S+?)\)", f.read())
+        if found and os.path.exists(found[-1]):
+            with open(found[-1], "rb") as f:
+                f.seek(max(0, os.path.getsize(found[-1]) - SERVER_LOG_TAIL))
+                tail = f.read()
+            with open(os.path.join(logdir, slug + ".server.log"), "wb") as out:
+                out.write(tail)
+    except OSError:
+        pass
+
+
 def _read_from(path: str, offset: int) -> str:
     with open(path, errors="replace") as f:
         f.seek(offset)
@@ -489,6 +528,7 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
     finally:
         pool.give(ids)
     collect_run_dir(run_dir, logdir, slug, t0 - 1.0)
+    _copy_server_log(log_path, logdir, slug)
     rec["seconds"] = round(time.time() - t0, 1)
     print(f"[suite] done  {job.name}: {_summary(rec)} ({rec['seconds']} s)", flush=True)
     if partial:  # each verdict as soon as it is known, in case the suite is cut short

@@ -137,7 +137,9 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_parity(args) -> int:
+    from vllm_bi.client import ServerError, ServerUnreachable
     from vllm_bi.parity import SettingsMismatch, load_prompts, run_parity
+    from vllm_bi.testing.server import ServerStartError
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     try:
@@ -158,10 +160,32 @@ def _cmd_parity(args) -> int:
             log=log,
         )
     except SettingsMismatch as e:
-        print(f"vllm-bi parity: {e}", file=sys.stderr)
-        return 2
+        print(f"vllm-bi parity: settings differ: {e}", file=sys.stderr)
+        return PARITY_MISMATCH
+    except (ServerError, ServerUnreachable, ServerStartError) as e:
+        print(f"vllm-bi parity: server error: {_one_line(e)}", file=sys.stderr)
+        return PARITY_SERVER_ERROR
     print(report.to_json() if args.json else report.table())
-    return 0 if report.ok else 1
+    return PARITY_EQUAL if report.ok else PARITY_DIFFER
+
+
+# `vllm-bi parity`'s exit statuses (its --help lists them)
+PARITY_EQUAL, PARITY_DIFFER, PARITY_USAGE, PARITY_SERVER_ERROR, PARITY_MISMATCH = 0, 1, 2, 3, 4
+
+
+def _one_line(e: BaseException, width: int = 400) -> str:
+    """An error's message on one line: its first line, the last error line quoted below it (a server log's
+    excerpt) and the log's path, cut to ``width`` characters each."""
+    import re
+
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
+    text = lines[0]
+    errors = [x for x in lines[1:] if re.search(r"\w(Error|Exception)\b", x)]
+    if errors:
+        text = f"{text} {errors[-1]}"
+    where = re.search(r"\((whole log|server log): [^)]*\)", str(e))
+    text = text if len(text) <= width else text[: width - 3] + "..."
+    return f"{text} {where.group(0)}" if where and where.group(0) not in text else text
 
 
 def _cmd_diag(args) -> int:
@@ -207,10 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample from a batch-invariant server and check the trainer's logprobs equal the server's bit for bit",
         description="Sample completions from a VLLM_BATCH_INVARIANT=1 server (started here unless --server is "
         "given), recompute every sampled token's logprob with the trainer model, print a table. "
-        "Exit status 0 only when every token is bitwise equal; 1 when some differ; 2 when the server's vllm_bi "
-        "settings (GDN mode VLLM_BI_GDN_MODE, GEMM mode VLLM_BI_GEMM, CUDA op mode VLLM_BI_CUDA_OPS, attention "
-        "op VLLM_BI_ATTENTION) make "
-        "equality impossible, before sampling.",
+        "Exit status: 0 every token bitwise equal; 1 some differ; 2 usage error (bad arguments, missing files); "
+        "3 server or environment error (the server did not start, did not answer, or failed a request, e.g. "
+        "a non-finite logprob); 4 the server's vllm_bi settings differ from this trainer's (GDN mode, GEMM, "
+        "CUDA ops, attention, MoE path), so equality is impossible: checked before sampling.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     pa.add_argument("--model", required=True, help="local HF checkpoint directory (served and loaded by the trainer)")
     pa.add_argument("--server", default=None, help="URL of a running BI server serving --model (default: start one)")

@@ -15,7 +15,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["VllmClient", "Completion", "ServerUnreachable"]
+__all__ = ["VllmClient", "Completion", "ServerError", "ServerUnreachable"]
 
 
 @dataclass
@@ -29,6 +29,15 @@ class Completion:
 
 class ServerUnreachable(ConnectionError):
     """The server did not answer (down, wrong URL, or crashed)."""
+
+
+class ServerError(RuntimeError):
+    """The server failed a request: an HTTP error (``status``: its code) or a reply missing what was asked for
+    (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 _DEV_ROUTES = ("/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/update_weight_version")
@@ -52,7 +61,7 @@ class VllmClient:
             detail = e.read().decode(errors="replace")[:2000]
             if e.code == 404 and path in _DEV_ROUTES:
                 detail += " (admin routes need the server started with VLLM_SERVER_DEV_MODE=1)"
-            raise RuntimeError(f"{self.url}{path} -> HTTP {e.code}: {detail}") from None
+            raise ServerError(f"{self.url}{path} -> HTTP {e.code}: {detail}", e.code) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise ServerUnreachable(f"vLLM server at {self.url} unreachable ({path}): {e}") from None
 
@@ -62,7 +71,8 @@ class VllmClient:
                 body = r.read()
                 return json.loads(body) if body.strip() else {}
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"{self.url}{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}") from None
+            raise ServerError(f"{self.url}{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}",
+                              e.code) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise ServerUnreachable(f"vLLM server at {self.url} unreachable ({path}): {e}") from None
 
@@ -85,7 +95,7 @@ class VllmClient:
         """Drop every cached prefix block (KV made with old weights); raises if the server refuses."""
         r = self._post("/reset_prefix_cache", {})
         if isinstance(r, dict) and r.get("success") is False:
-            raise RuntimeError(f"{self.url}: /reset_prefix_cache refused (blocks still held): {r}")
+            raise ServerError(f"{self.url}: /reset_prefix_cache refused (blocks still held): {r}")
 
     def set_weight_version(self, version: str) -> None:
         self._post("/update_weight_version", {"new_version": str(version)})
@@ -102,7 +112,7 @@ class VllmClient:
         """The served weights' :func:`vllm_bi.weights.weight_digest` (one worker: TP/PP = 1)."""
         results = self.collective_rpc("vllm_bi_weight_digest")
         if len(results) != 1 or not isinstance(results[0], dict):
-            raise RuntimeError(f"{self.url}: expected one worker's weight digest, got {str(results)[:300]} "
+            raise ServerError(f"{self.url}: expected one worker's weight digest, got {str(results)[:300]} "
                                "(is the vllm_bi plugin active, VLLM_BATCH_INVARIANT=1, TP=1?)")
         return results[0]
 
@@ -111,7 +121,7 @@ class VllmClient:
         Needs ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``)."""
         results = self.collective_rpc("vllm_bi_info")
         if not results or not isinstance(results[0], dict):
-            raise RuntimeError(f"{self.url}: no vllm_bi_info from the server (got {str(results)[:300]}); is the "
+            raise ServerError(f"{self.url}: no vllm_bi_info from the server (got {str(results)[:300]}); is the "
                                "vllm_bi plugin active with VLLM_BATCH_INVARIANT=1?")
         return results[0]
 
@@ -175,17 +185,17 @@ class VllmClient:
         if isinstance(prompt_ids, str):
             prompt_ids = list(ch.get("prompt_token_ids") or [])
             if not prompt_ids:
-                raise RuntimeError("server did not return prompt_token_ids (needs return_token_ids support)")
+                raise ServerError("server did not return prompt_token_ids (needs return_token_ids support)")
         token_ids = list(ch["token_ids"])
         lps = [float(x) for x in ch["logprobs"]["token_logprobs"]]
         if len(lps) != len(token_ids):
-            raise RuntimeError(f"server returned {len(lps)} logprobs for {len(token_ids)} tokens")
+            raise ServerError(f"server returned {len(lps)} logprobs for {len(token_ids)} tokens")
         plp = None
         if prompt_logprobs:
             plp = []
             raw = ch.get("prompt_logprobs")
             if raw is None:
-                raise RuntimeError("server returned no prompt_logprobs")
+                raise ServerError("server returned no prompt_logprobs")
             for pos, entry in enumerate(raw):
                 if entry is None:
                     plp.append(None)
@@ -193,7 +203,7 @@ class VllmClient:
                 tok = prompt_ids[pos]
                 item = entry.get(str(tok)) or entry.get(tok)
                 if item is None:
-                    raise RuntimeError(f"prompt_logprobs at {pos} lacks the prompt token {tok}")
+                    raise ServerError(f"prompt_logprobs at {pos} lacks the prompt token {tok}")
                 plp.append(float(item["logprob"]))
         return Completion(prompt_ids, token_ids, lps, plp, ch.get("finish_reason"))
 

@@ -215,7 +215,7 @@ def run_parity(
 ) -> ParityReport:
     from tqdm import tqdm
 
-    from vllm_bi.client import VllmClient
+    from vllm_bi.client import ServerError, ServerUnreachable, VllmClient
     from vllm_bi.testing.server import VllmServer, cpu_env
 
     if trainer not in ("vllm_bi", "hf"):
@@ -245,9 +245,13 @@ def run_parity(
         args = ["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"] + list(server_args or [])
         env = cpu_env(not stock_server, {"VLLM_SERVER_DEV_MODE": "1"})
         with VllmServer(model, batch_invariant=not stock_server, env=env, args=args) as srv:
-            if not stock_server:
-                info = check_server_settings(srv, log)
-            completions = sample(srv)
+            try:
+                if not stock_server:
+                    info = check_server_settings(srv, log)
+                completions = sample(srv)
+            except (ServerError, ServerUnreachable) as e:  # name the log that holds the server's side of it
+                e.args = (f"{e.args[0] if e.args else e} (server log: {srv.log_path})", *e.args[1:])
+                raise
 
     def progress(it):
         return tqdm(it, desc=f"recomputing with the {trainer} trainer", disable=not show_progress)

@@ -103,7 +103,7 @@ def test_parity_cli_refuses_a_mode_mismatch(served):
     exe = os.path.join(os.path.dirname(sys.executable), "vllm-bi")
     r = subprocess.run([exe, "parity", "--model", model, "--server", srv.url, "--n", "1", "--max-tokens", "4"],
                        capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 2, r.stdout + r.stderr[-2000:]
+    assert r.returncode == 4, r.stdout + r.stderr[-2000:]  # settings differ
     assert "GDN mode 'chunk'" in r.stderr and "VLLM_BI_GDN_MODE" in r.stderr
 
 

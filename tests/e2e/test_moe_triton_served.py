@@ -35,7 +35,7 @@ def test_a_trainer_on_the_loop_path_is_refused(server, parity_cli):
     model, url = server
     r = parity_cli("--model", model, "--server", url, "--n", "1", "--max-tokens", "4",
                    env={"VLLM_BI_MOE": "loop"})
-    assert r.returncode == 2, r.stdout + r.stderr[-3000:]
+    assert r.returncode == 4, r.stdout + r.stderr[-3000:]  # settings differ
     assert "VLLM_BI_MOE" in r.stderr and "triton" in r.stderr
 
 

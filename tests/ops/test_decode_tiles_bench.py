@@ -37,12 +37,12 @@ def perturbed(*a, **kw):
     return o
 CD.partial_block_outputs = perturbed
 
-rows = DT.launch_rows("block state", "STATE_LAUNCH", [DT.STATE[0], DT.STATE[1], DT.STATE[4]], 1, 64, "cpu")
+rows = DT.launch_rows("block state", "STATE_LAUNCH", [DT.STATE[0], DT.STATE[1], DT.STATE[3]], 1, 64, "cpu")
 print("\\n".join(rows))
 assert [r.split("|")[3].strip() for r in rows] == ["equal", "equal", "**differs**"], rows
 rows = DT.launch_rows("partial block", "PARTIAL_LAUNCH", DT.PARTIAL[:2], 1, 9, "cpu")
 assert [r.split("|")[3].strip() for r in rows] == ["equal", "equal"], rows
-assert CD.STATE_LAUNCH["all_v"] is False and CD.PARTIAL_LAUNCH["all_v"] is True  # the settings are put back
+assert CD.STATE_LAUNCH["num_warps"] == 4 and CD.PARTIAL_LAUNCH["all_v"] is True  # the settings are put back
 print("ok")
 """
 

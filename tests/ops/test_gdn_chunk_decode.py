@@ -1,8 +1,8 @@
 """The chunk mode's partial-block kernel (:mod:`vllm_bi.attention.gdn_chunk_decode`, the chunk server's decode on CUDA)
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
 interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read, except that a whole block (64 rows)
-writes the state at its end into its slot (against float64 too, and the same bits with every value tile in one
-program); a block alone == the same block in a batch (exact), and == with a program taking a key head's value heads
+writes the state at its end into its slot (against float64 too, also at the GPU head-shape test's shapes); a block
+alone == the same block in a batch (exact), and == with a program taking a key head's value heads
 or every value tile; bad input refused by name. Its bits against fla-core's chunked kernel are measured on the GPU
 (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)."""
 
@@ -15,7 +15,7 @@ import torch
 from vllm_bi.attention import gdn_chunk_decode as CD
 from vllm_bi.attention.gdn_chunk_decode import partial_block_outputs, partial_blocks_in_slots
 
-launch, state_launch = dict(CD.PARTIAL_LAUNCH), dict(CD.STATE_LAUNCH)
+launch = dict(CD.PARTIAL_LAUNCH)
 
 torch.manual_seed(0)
 for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
@@ -59,8 +59,10 @@ for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
             CD.PARTIAL_LAUNCH = launch
         assert torch.equal(other, o), (H, HV, K, V, group, all_v)
 
-# whole blocks: a 64-row segment's slot gets the state at the block's end, the others' slots stay as they were
-for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
+# whole blocks: a 64-row segment's slot gets the state at the block's end, the others' slots stay as they were; also
+# at the GPU head-shape test's shapes (key heads 4 and 16, value / key ratios 1, 2, 4, head dims 128)
+for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128), (4, 4, 128, 128), (4, 8, 128, 128), (4, 16, 128, 128),
+                    (16, 16, 128, 128), (16, 32, 128, 128), (16, 64, 128, 128)):
     lens, slots = [64, 9, 64], [3, 0, 1]
     T = sum(lens)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
@@ -86,16 +88,6 @@ for H, HV, K, V in ((2, 4, 128, 64), (1, 2, 64, 128)):
     # the outputs were computed from the boundary states, before the writes
     o0 = partial_block_outputs(q, k, w, u, g, pool0.clone(), torch.tensor(slots), cu, K ** -0.5)
     assert torch.equal(o, o0)
-    # the block-state kernel with every value tile in one program: the same states and outputs, bit for bit
-    for all_v in (False, True):
-        CD.STATE_LAUNCH = dict(state_launch, all_v=all_v)
-        try:
-            other_pool = pool0.clone()
-            other = partial_block_outputs(q, k, w, u, g, other_pool, torch.tensor(slots), cu, K ** -0.5,
-                                          torch.tensor([0, 2]))
-        finally:
-            CD.STATE_LAUNCH = state_launch
-        assert torch.equal(other, o) and torch.equal(other_pool, pool), (H, HV, K, V, all_v)
 
 pool = torch.zeros(3, 4, 128, 64)
 x = torch.zeros(64, 2, 128)

@@ -42,11 +42,9 @@ BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
 # ``all_v`` with 4 warps and 3 stages: 0.575 ms against 0.704 ms for partial_blocks_in_slots at 256 x 33 (the kernel
 # 0.42 -> 0.29 ms), same bits (session 15, docs/results/2026-12-01-h200-session15.md).
 PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3, group=False, all_v=True)
-# The block-state kernel's launch (fla-core's state kernel's pin: 4 warps, 4 stages) and whether a program takes every
-# value tile of its head (``all_v``: ``w``, ``k`` and the gate loaded once, as the partial-block kernel's ``all_v``).
-# ``all_v`` stays off until benchmarks/decode_tiles.py has checked its bits and time on a GPU (written in session 15,
-# after the last GPU call).
-STATE_LAUNCH = dict(num_warps=4, num_stages=4, all_v=False)
+# The block-state kernel's launch: fla-core's state kernel's pin (4 warps, 4 stages); benchmarks/decode_tiles.py checks
+# and times others.
+STATE_LAUNCH = dict(num_warps=4, num_stages=4)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
 # writes the state at the block's end. On since session 14, when its GPU test
 # (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
@@ -136,12 +134,13 @@ if triton is not None:
     @triton.jit
     def _block_state_kernel(k, w, u, g, pool, slot_stride, slots, cu, seqs, H: tl.constexpr, HV: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BVS: tl.constexpr,
-                            TWO: tl.constexpr, VBLOCKS: tl.constexpr):
+                            TWO: tl.constexpr):
         # the state after one whole block from the boundary state in the slot, written back into the slot: fla-core's
         # state kernel's step for one chunk (tile 64 keys x BVS values; v_new from bf16(h); gate; h * exp2(g_last)
-        # + k^T v_new, accumulated by tl.dot into h). A program takes VBLOCKS value tiles of its head (1, or all of
-        # them: w, k and the gate loaded once); each tile's arithmetic is the same whichever program runs it
-        vb0 = tl.program_id(0).to(tl.int64) * VBLOCKS
+        # + k^T v_new, accumulated by tl.dot into h). Keep each load next to its use: the same arithmetic with w,
+        # k^T and the gate loaded before the state (and every value tile in one program) passed Triton's interpreter
+        # but wrote wrong states, some NaN, on the H200 (Triton 3.6, tests/gpu/test_gdn_chunk_heads_cuda.py)
+        vb = tl.program_id(0).to(tl.int64)
         seq_head = tl.program_id(1).to(tl.int64)
         seq = tl.load(seqs + seq_head // HV).to(tl.int64)
         hv = seq_head % HV
@@ -150,40 +149,35 @@ if triton is not None:
         slot = tl.load(slots + seq).to(tl.int64)
         rows = tl.arange(0, BT)
         ks = tl.arange(0, 64)
+        vs = vb * BVS + tl.arange(0, BVS)
+        v_ok = vs < V
+        state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
+        h1 = tl.zeros([64, BVS], dtype=tl.float32)
+        h1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
         w_rows = w + ((first + rows) * HV + hv)[:, None] * K
         w1 = tl.load(w_rows + ks[None, :])
-        k_cols = k + ((first + rows) * H + hk)[None, :] * K  # k^T: keys down, rows across
-        kt1 = tl.load(k_cols + ks[:, None])
+        b_v = tl.dot(w1, h1.to(w1.dtype))
         if TWO:
+            h2 = tl.zeros([64, BVS], dtype=tl.float32)
+            h2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
             w2 = tl.load(w_rows + (64 + ks)[None, :])
-            kt2 = tl.load(k_cols + (64 + ks)[:, None])
-        g_end = tl.load(g + (first + BT - 1) * HV + hv).to(tl.float32)
+            b_v = tl.dot(w2, h2.to(w2.dtype), b_v)
+        u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
+        b_v = tl.load(u_rows, mask=v_ok[None, :], other=0.0) - b_v
+        g_last = tl.load(g + (first + BT - 1) * HV + hv).to(tl.float32)
         b_g = tl.load(g + (first + rows) * HV + hv).to(tl.float32)
-        decay = fla_exp2(g_end - b_g)[:, None]
-        g_last = fla_exp2(g_end)
-        for i in tl.static_range(VBLOCKS):
-            vs = (vb0 + i) * BVS + tl.arange(0, BVS)
-            v_ok = vs < V
-            state = pool + slot * slot_stride + hv * (K * V) + vs[None, :]
-            h1 = tl.zeros([64, BVS], dtype=tl.float32)
-            h1 += tl.load(state + ks[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
-            b_v = tl.dot(w1, h1.to(w1.dtype))
-            if TWO:
-                h2 = tl.zeros([64, BVS], dtype=tl.float32)
-                h2 += tl.load(state + (64 + ks)[:, None] * V, mask=v_ok[None, :], other=0.0).to(tl.float32)
-                b_v = tl.dot(w2, h2.to(w2.dtype), b_v)
-            u_rows = u + ((first + rows) * HV + hv)[:, None] * V + vs[None, :]
-            b_v = tl.load(u_rows, mask=v_ok[None, :], other=0.0) - b_v
-            b_v = b_v * decay
-            h1 *= g_last
-            if TWO:
-                h2 *= g_last
-            b_v = b_v.to(w1.dtype)
-            h1 = tl.dot(kt1, b_v, h1)
-            tl.store(state + ks[:, None] * V, h1, mask=v_ok[None, :])
-            if TWO:
-                h2 = tl.dot(kt2, b_v, h2)
-                tl.store(state + (64 + ks)[:, None] * V, h2, mask=v_ok[None, :])
+        b_v = b_v * fla_exp2(g_last - b_g)[:, None]
+        g_last = fla_exp2(g_last)
+        h1 *= g_last
+        if TWO:
+            h2 *= g_last
+        b_v = b_v.to(w1.dtype)
+        k_cols = k + ((first + rows) * H + hk)[None, :] * K  # k^T: keys down, rows across
+        h1 = tl.dot(tl.load(k_cols + ks[:, None]), b_v, h1)
+        tl.store(state + ks[:, None] * V, h1, mask=v_ok[None, :])
+        if TWO:
+            h2 = tl.dot(tl.load(k_cols + (64 + ks)[:, None]), b_v, h2)
+            tl.store(state + (64 + ks)[:, None] * V, h2, mask=v_ok[None, :])
 
 
 def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
@@ -217,11 +211,9 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
             q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
             TWO=K > 64, HEADS=heads, VBLOCKS=vblocks, **launch)
         if whole is not None and whole.numel():  # after the outputs, which read the boundary states
-            launch = dict(STATE_LAUNCH)
-            vblocks = triton.cdiv(V, BV_STATE) if launch.pop("all_v") else 1
-            _block_state_kernel[(triton.cdiv(V, BV_STATE) // vblocks, whole.numel() * HV)](
+            _block_state_kernel[(triton.cdiv(V, BV_STATE), whole.numel() * HV)](
                 k, w, u, g, pool, pool.stride(0), slots, cu, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,
-                TWO=K > 64, VBLOCKS=vblocks, **launch)
+                TWO=K > 64, **STATE_LAUNCH)
     return o
 
 

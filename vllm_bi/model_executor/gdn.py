@@ -137,7 +137,11 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         return
     if mode in ("chunk", "hybrid"):
+        if debug_nonfinite():
+            _check_finite(layer, "input", plan, mixed_qkv, a, b, ssm_cache)
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        if debug_nonfinite():
+            _check_finite(layer, "output", plan, out, None, None, ssm_cache)
         return
     conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
@@ -147,6 +151,43 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if dim_first:
         new_conv = new_conv.transpose(1, 2)
     conv_cache[slot_t] = new_conv.to(conv_cache.dtype)
+
+
+_REPORTED: set = set()
+
+
+def debug_nonfinite() -> bool:
+    """``VLLM_BI_DEBUG_NONFINITE=1``: every GDN layer checks its inputs, outputs and state slots for NaN / inf and
+    logs the first layer and requests where one appears (host reads in every layer: for finding a bad layer, not for
+    serving)."""
+    import os
+
+    return os.environ.get("VLLM_BI_DEBUG_NONFINITE", "").strip() == "1"
+
+
+def _check_finite(layer, where, plan, x, a, b, ssm_cache) -> None:
+    import logging
+
+    key = (getattr(layer, "prefix", "?"), where)
+    if key in _REPORTED:
+        return
+    bad = []
+    for name, t in (("mixed_qkv" if where == "input" else "core output", x), ("a", a), ("b", b)):
+        if t is None:
+            continue
+        rows = (~torch.isfinite(t.float())).reshape(t.shape[0], -1).any(-1).nonzero().flatten().tolist()
+        if rows:
+            reqs = [j for j, (s, e) in enumerate(plan.ranges) if any(s <= r < e for r in rows)]
+            bad.append(f"{name}: rows {rows[:8]} of requests {[(j, plan.ranges[j], (plan.starts or [None] * (j + 1))[j], j in plan.fresh_host) for j in reqs[:8]]} (index, rows, start, new)")
+    slots = plan.slot_t.tolist()
+    st = ssm_cache[plan.slot_t].float()
+    nf = [(j, slots[j]) for j in range(len(slots)) if not bool(torch.isfinite(st[j]).all())]
+    if nf:
+        bad.append(f"state slots not finite (request, slot) {nf[:8]}; new requests {plan.fresh_host[:8]}")
+    if bad:
+        _REPORTED.add(key)
+        logging.getLogger("vllm_bi").error("vllm_bi: non-finite values at the %s of GDN layer %s: %s", where,
+                                           key[0], "; ".join(bad))
 
 
 class StepPlan:

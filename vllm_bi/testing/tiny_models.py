@@ -102,8 +102,11 @@ class TinyModelSpec:
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 128
+    shared_expert_intermediate_size: int = 0  # 0: moe_intermediate_size
     vocab_size: int = 1024
     max_position_embeddings: int = 4096
+    # the layers' kinds, "l" (GDN) or "f" (full attention), in order; empty: every fourth layer is full attention
+    layer_pattern: str = ""
 
 
 SPECS = {
@@ -122,10 +125,22 @@ SPECS = {
                                 num_experts_per_tok=8, moe_intermediate_size=128),
     # the default with 2 GDN key / 4 value heads: splittable over tensor-parallel size 2
     "tp": TinyModelSpec(linear_num_key_heads=2, linear_num_value_heads=4),
+    # shapes no other spec has (a Qwen3.5-MoE text model): hidden 1536, not a power of two; 7 layers, full
+    # attention third and last; GDN 4 key / 8 value heads of dim 128; attention 12 / 2 heads of dim 128; 48 experts,
+    # top-6, expert MLP 256, shared expert 384; a vocabulary of 3000
+    "odd-heads": TinyModelSpec(hidden_size=1536, num_hidden_layers=7, num_attention_heads=12, num_key_value_heads=2,
+                               head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=48,
+                               num_experts_per_tok=6, moe_intermediate_size=256,
+                               shared_expert_intermediate_size=384, vocab_size=3000,
+                               layer_pattern="llflllf"),
 }
 
 
-def _layer_types(n: int) -> list[str]:
+def _layer_types(n: int, pattern: str = "") -> list[str]:
+    if pattern:
+        if len(pattern) != n or set(pattern) - {"l", "f"}:
+            raise ValueError(f"layer_pattern {pattern!r}: give one 'l' (GDN) or 'f' (full attention) per layer ({n})")
+        return ["full_attention" if c == "f" else "linear_attention" for c in pattern]
     return ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
 
 
@@ -142,7 +157,7 @@ def _config(family: str, spec: TinyModelSpec, eos_id: int):
         linear_key_head_dim=spec.linear_head_dim,
         linear_value_head_dim=spec.linear_head_dim,
         linear_conv_kernel_dim=4,
-        layer_types=_layer_types(spec.num_hidden_layers),
+        layer_types=_layer_types(spec.num_hidden_layers, spec.layer_pattern),
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=False,
         eos_token_id=eos_id,
@@ -153,7 +168,7 @@ def _config(family: str, spec: TinyModelSpec, eos_id: int):
         num_experts=spec.num_experts,
         num_experts_per_tok=spec.num_experts_per_tok,
         moe_intermediate_size=spec.moe_intermediate_size,
-        shared_expert_intermediate_size=spec.moe_intermediate_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size or spec.moe_intermediate_size,
     )
     if family == "qwen3-next":
         from transformers import Qwen3NextConfig

@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""The GPU gate: one bounded matrix of `vllm-bi parity` runs on a CUDA machine, in parallel, each with a timeout, and
+a record of the CUDA sources it ran (``vllm_bi.gpu_gate``).
+
+The matrix: the three families (qwen3.5, qwen3-next, qwen3.5-moe) and a model with unusual head shapes (hidden 1536,
+GDN 4 key / 8 value heads, 48 experts top-6, 7 layers), each in every GDN mode (recurrent, chunk, hybrid) with the
+default arithmetic; the named fast arithmetic (tuned Triton GEMM with the shipped H200 tile table, decode CUDA graphs
+where the mode allows them) in every mode on qwen3.5 and the unusual model; Qwen3.5-9B layer dimensions in the chunk
+and recurrent modes; and a stock-vLLM control that must differ. Prompts of 5-700 words, 2 samples each, 48 tokens.
+
+    python3 scripts/gpu_gate.py --out $OUT          # staged by scripts/gpu_run.sh install (docs/gpu.md): about 6 min
+
+Writes ``gpu-gate.json`` (date, device, versions, each job's verdict, the sha256 of every CUDA source) and
+``gpu-gate.md`` to ``--out``; copy the JSON to ``docs/results/gpu-gate.json`` and run
+``python -m vllm_bi.gpu_gate --readme README.md``. Heavier GPU checks (cost tables, fuzz) are separate calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_suite as S  # noqa: E402
+
+MODES = ("recurrent", "chunk", "hybrid")
+FAST = {"gemm": "triton", "tiles": "h200-qwen3.5-9b", "graphs": "decode"}
+MEM = "--gpu-memory-utilization 0.09"
+
+
+def jobs(models: str) -> list[tuple[S.Job, dict]]:
+    """(job, what it covers) of the gate's matrix."""
+    m = {k: os.path.join(models, k) for k in S.MODELS}
+    prompts = S.mixed_prompts(models)
+    out = []
+
+    def add(model_key, mode, arithmetic, stock=False, max_tokens=48):
+        extra = {} if arithmetic == "default" else dict(FAST, graphs="" if mode == "chunk" else FAST["graphs"])
+        name = (f"control: stock vLLM {model_key}" if stock
+                else f"{model_key} {mode} {arithmetic}" + (" (no graphs: refused in chunk mode)"
+                                                             if arithmetic == "fast" and mode == "chunk" else ""))
+        job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
+                        **extra)
+        job.argv[job.argv.index("--server-args") + 1] = job.argv[job.argv.index("--server-args") + 1].replace(
+            S.MEM, MEM)
+        out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic}))
+
+    for key in ("qwen3.5", "qwen3-next", "qwen3.5-moe", "qwen3.5-moe-odd"):
+        for mode in MODES:
+            add(key, mode, "default")
+    for key in ("qwen3.5", "qwen3.5-moe-odd"):
+        for mode in MODES:
+            add(key, mode, "fast")
+    for mode in ("chunk", "recurrent"):
+        add("qwen3.5-9b", mode, "default", max_tokens=32)
+    add("qwen3.5-moe-odd", "recurrent", "default", stock=True)
+    return out
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    import torch
+    import triton
+
+    def ver(dist):
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "?"
+
+    return {"torch": torch.__version__, "triton": triton.__version__, "vllm": ver("vllm"), "fla": ver("fla-core"),
+            "cuda": torch.version.cuda}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--models", default="/tmp/vllm_bi_models")
+    ap.add_argument("--parallel", type=int, default=7)
+    ap.add_argument("--job-timeout", type=int, default=330)
+    ap.add_argument("--match", default=None, help="comma-separated substrings: only the jobs whose name holds one")
+    args = ap.parse_args()
+    import torch
+
+    from vllm_bi.gpu_gate import combined_hash, source_hashes
+
+    t0 = time.time()
+    todo = jobs(args.models)
+    if args.match:
+        todo = [(j, w) for j, w in todo if any(s in j.name for s in args.match.split(","))]
+    for j, _ in todo:
+        j.timeout = args.job_timeout
+    S.build_models(args.models, {w["model"] for _, w in todo})
+    os.makedirs(args.out, exist_ok=True)
+    logdir = "/tmp/vllm_bi_gate_logs"
+    os.makedirs(logdir, exist_ok=True)
+    pool = S.GpuPool(torch.cuda.device_count(), args.parallel)
+    with ThreadPoolExecutor(args.parallel) as ex:
+        recs = list(ex.map(lambda jw: S.run_job(jw[0], pool, logdir, os.path.join(args.out, "gate.jsonl")), todo))
+    hashes = source_hashes(ROOT)
+    rows = []
+    for (job, what), rec in zip(todo, recs):
+        rows.append({"job": job.name, **what, "env": job.env, "result": S._summary(rec),
+                     "passed": bool(rec.get("passed")), "expect_pass": job.expect_pass,
+                     "as_expected": bool(rec.get("passed")) == job.expect_pass and "error" not in rec,
+                     "tokens": rec.get("tokens"), "equal": rec.get("bitwise_equal"), "seconds": rec.get("seconds")})
+    record = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
+              "versions": versions(), "command": "python3 scripts/gpu_gate.py --out $OUT"
+              + (f" --match {args.match}" if args.match else ""), "seconds": round(time.time() - t0),
+              "sources": hashes, "sources_hash": combined_hash(hashes), "jobs": rows}
+    with open(os.path.join(args.out, "gpu-gate.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    md = S.markdown(recs)
+    with open(os.path.join(args.out, "gpu-gate.md"), "w") as f:
+        f.write(md)
+    with tarfile.open(os.path.join(args.out, "gate_logs.tar.gz"), "w:gz") as tar:
+        tar.add(logdir, arcname="logs")
+    print(md)
+    print(f"[gate] {sum(r['as_expected'] for r in rows)}/{len(rows)} as expected in {record['seconds']} s; "
+          f"sources {record['sources_hash'][:12]}")
+    return 0 if all(r["as_expected"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
