@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--models", default="/tmp/vllm_bi_models")
     ap.add_argument("--parallel", type=int, default=7)
     ap.add_argument("--job-timeout", type=int, default=330)
+    ap.add_argument("--stagger", type=float, default=12.0, help="seconds between the first wave's job starts")
     ap.add_argument("--match", default=None, help="comma-separated substrings: only the jobs whose name holds one")
     args = ap.parse_args()
     import torch
@@ -105,8 +106,14 @@ def main() -> int:
     logdir = "/tmp/vllm_bi_gate_logs"
     os.makedirs(logdir, exist_ok=True)
     pool = S.GpuPool(torch.cuda.device_count(), args.parallel)
+    def run(i_jw):
+        i, (job, _) = i_jw
+        if i < args.parallel:  # the first wave's servers start apart: vLLM's memory profiling at start-up trips
+            time.sleep(i * args.stagger)  # when another server allocates meanwhile
+        return S.run_job(job, pool, logdir, os.path.join(args.out, "gate.jsonl"))
+
     with ThreadPoolExecutor(args.parallel) as ex:
-        recs = list(ex.map(lambda jw: S.run_job(jw[0], pool, logdir, os.path.join(args.out, "gate.jsonl")), todo))
+        recs = list(ex.map(run, enumerate(todo)))
     hashes = source_hashes(ROOT)
     rows = []
     for (job, what), rec in zip(todo, recs):

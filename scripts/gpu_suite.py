@@ -419,17 +419,35 @@ def run_process(argv: list[str], log, timeout: float, env: dict | None = None, c
             log.flush()
 
 
+def _named_server_log(output: str) -> str | None:
+    """The server log a failed `vllm-bi parity` names ("server log: PATH" or "whole log: PATH"), if it exists."""
+    import re
+
+    found = re.findall(r"(?:server log|whole log): (\S+?)\)", output)
+    return found[-1] if found and os.path.exists(found[-1]) else None
+
+
+def _memory_profiling_failed(output: str) -> bool:
+    """Whether a job's server died in vLLM's start-up memory profiling (disturbed by another job's server)."""
+    if "Error in memory profiling" in output:
+        return True
+    path = _named_server_log(output)
+    if path is None:
+        return False
+    with open(path, errors="replace") as f:
+        text = f.read()
+    return "Error in memory profiling" in text or "determine_available_memory" in text
+
+
 def _copy_server_log(job_log: str, logdir: str, slug: str) -> None:
     """The tail of the server log a failed `vllm-bi parity` names ("server log: PATH" or "whole log: PATH"), beside
     the job's log."""
-    import re
-
     try:
         with open(job_log, errors="replace") as f:
-            found = re.findall(r"(?:server log|whole log): (\S+?)\)", f.read())
-        if found and os.path.exists(found[-1]):
-            with open(found[-1], "rb") as f:
-                f.seek(max(0, os.path.getsize(found[-1]) - SERVER_LOG_TAIL))
+            path = _named_server_log(f.read())
+        if path:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - SERVER_LOG_TAIL))
                 tail = f.read()
             with open(os.path.join(logdir, slug + ".server.log"), "wb") as out:
                 out.write(tail)
@@ -510,8 +528,9 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
                 start = os.path.getsize(log_path)
                 rc = run_process(argv, log, job.timeout, env=env, cwd=ROOT)
                 out = _read_from(log_path, start)
-                # vLLM's start-up memory check trips when another job's server frees memory meanwhile
-                if rc == 0 or "Error in memory profiling" not in out or STOP.is_set():
+                # vLLM's start-up memory check trips when another job's server frees memory meanwhile (the job's
+                # output names the server log that holds it)
+                if rc == 0 or not _memory_profiling_failed(out) or STOP.is_set():
                     break
                 log.write(f"\n--- retry {attempt + 1}: memory profiling disturbed by a concurrent job ---\n")
                 rec["retried"] = True
@@ -557,7 +576,8 @@ def _verdict(job: Job, output: str, run_dir: str) -> dict:
     if job.kind == "parity":
         r = _json_report(output)
         if r is None:
-            return {"passed": False, "error": "no JSON report (see the log)"}
+            why = [x for x in output.splitlines() if x.startswith("vllm-bi parity:")]
+            return {"passed": False, "error": why[-1][:400] if why else "no JSON report (see the log)"}
         out = {"passed": bool(r["pass"]), "tokens": r["tokens"], "bitwise_equal": r["bitwise_equal"],
                "max_abs_diff": r["max_abs_diff"], "mean_abs_diff": r["mean_abs_diff"], "server": r.get("server", "")}
         if job.env.get("VLLM_BI_CUDA_GRAPHS") == "decode" and "FULL_DECODE_ONLY" not in out["server"]:

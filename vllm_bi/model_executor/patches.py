@@ -73,6 +73,11 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
 ``EngineArgs.create_engine_config`` (CUDA)      eager mode: the GDN core reads metadata on the host;
                                                 attention backend TRITON_ATTN when none is chosen (FA3
                                                 decode != prefill for ~500-token contexts on H200).
+``gpu_model_runner.count_nans_per_row``,        a NaN or +inf logit would be sampled and served (``nonfinite``).
+V2 ``sampler.get_num_nans``,                    -> vLLM's per-request NaN count (VLLM_COMPUTE_NANS_IN_LOGITS)
+``Scheduler.update_from_output``,               counts +inf too; the scheduler fails such a request (error
+``GenerateBaseServing._raise_if_error``         status, HTTP 500 with a message), the others go on. CPU by
+                                                default; CUDA with VLLM_BI_NONFINITE_GUARD=1 until GPU-gated.
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -843,6 +848,9 @@ def apply_all() -> list[str]:
     _patch_engine_args()
     _patch_gdn()
     _patch_worker_rpc()
+    from vllm_bi.model_executor.nonfinite import apply_nonfinite_guard
+
+    apply_nonfinite_guard(_patch, current_platform.is_cuda())
     if current_platform.is_cuda():
         from vllm_bi.model_executor.cuda import apply_cuda, apply_cuda_own_ops, own_ops_requested
 

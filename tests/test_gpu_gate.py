@@ -1,0 +1,83 @@
+"""The GPU gate's record (``vllm_bi.gpu_gate``): every module with a Triton kernel or a CUDA branch is in the manifest
+of hashed CUDA sources; the status names a changed file and a failed job; the README's status line is the one the
+record generates; CI prints the status (``scripts/test.sh``)."""
+
+import json
+import os
+import re
+
+import pytest
+
+from vllm_bi import gpu_gate as G
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a Triton kernel, fla-core, a CUDA branch of a tensor or the platform
+CUDA_CODE = re.compile(r"triton\.jit|\bis_cuda\b|^\s*(from|import) fla\b|current_platform\.is_cuda", re.M)
+# modules that mention CUDA only to choose a device for the trainer or a tool, with no CUDA-only arithmetic
+DEVICE_CHOICE_ONLY = {"vllm_bi/diag.py", "vllm_bi/parity.py", "vllm_bi/trainer/distributed.py", "vllm_bi/weights.py",
+                      "vllm_bi/gpu_gate.py"}
+
+
+def _modules():
+    for base, _, files in os.walk(os.path.join(ROOT, "vllm_bi")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(base, f)
+                yield os.path.relpath(path, ROOT).replace(os.sep, "/"), open(path).read()
+
+
+def test_every_cuda_module_is_in_the_manifest():
+    cuda = {rel for rel, text in _modules() if CUDA_CODE.search(text) or os.path.basename(rel).startswith("cuda")}
+    missing = sorted(cuda - set(G.CUDA_SOURCES) - DEVICE_CHOICE_ONLY)
+    assert not missing, f"modules with CUDA code missing from vllm_bi.gpu_gate.CUDA_SOURCES: {missing}"
+    gone = [f for f in G.CUDA_SOURCES if not os.path.exists(os.path.join(ROOT, f))]
+    assert not gone, f"CUDA_SOURCES lists files that do not exist: {gone}"
+    # the rule finds the kernels it is meant to find (a pattern that matched nothing would pass the check above)
+    assert {"vllm_bi/attention/gdn_chunk_decode.py", "vllm_bi/ops/conv.py", "vllm_bi/model_executor/cuda.py"} <= cuda
+
+
+def _record(**over):
+    hashes = G.source_hashes(ROOT)
+    rec = {"date": "2026-12-02", "device": "NVIDIA H200", "versions": {"vllm": "0.32.0", "torch": "2.11.0",
+                                                                       "triton": "3.6.0", "fla": "0.6.0"},
+           "sources": hashes, "sources_hash": G.combined_hash(hashes),
+           "jobs": [{"job": "qwen3.5 chunk default", "as_expected": True}]}
+    rec.update(over)
+    return rec
+
+
+def test_status_names_changed_sources_and_failed_jobs():
+    ok, line = G.status(_record(), G.source_hashes(ROOT))
+    assert ok and line.startswith("GPU-verified"), line
+    hashes = dict(G.source_hashes(ROOT), **{"vllm_bi/ops/conv.py": "0" * 64})
+    ok, line = G.status(_record(), hashes)
+    assert not ok and "changed since the last GPU gate" in line and "vllm_bi/ops/conv.py" in line, line
+    ok, line = G.status(_record(jobs=[{"job": "qwen3.5 hybrid default", "as_expected": False}]))
+    assert not ok and "failed" in line and "qwen3.5 hybrid default" in line, line
+    ok, line = G.status(None)
+    assert not ok and "no GPU gate record" in line
+
+
+def test_readme_status_line_is_generated_from_the_record():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    record = G.load_record(os.path.join(ROOT, G.RECORD))
+    assert G.readme_block(record) in readme, (
+        "README's GPU gate line differs from docs/results/gpu-gate.json: run python -m vllm_bi.gpu_gate --readme "
+        "README.md")
+
+
+def test_the_record_is_complete():
+    path = os.path.join(ROOT, G.RECORD)
+    if not os.path.exists(path):
+        pytest.skip("no GPU gate has run")
+    with open(path) as f:
+        rec = json.load(f)
+    assert {"date", "device", "versions", "command", "sources", "sources_hash", "jobs"} <= set(rec)
+    assert rec["sources_hash"] == G.combined_hash(rec["sources"])
+    assert all({"job", "result", "as_expected"} <= set(j) for j in rec["jobs"])
+
+
+def test_ci_prints_the_gate_status():
+    with open(os.path.join(ROOT, "scripts", "test.sh")) as f:
+        assert "vllm_bi.gpu_gate" in f.read()
