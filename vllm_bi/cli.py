@@ -70,6 +70,9 @@ def _cmd_info(args) -> int:
     graphs = setting(cuda_graphs_requested)
     print(f"GEMM tiles ({GEMM_CONFIGS_ENV}): {tiles or 'vLLM defaults'}; CUDA graphs ({GRAPHS_ENV}): "
           f"{'decode' if graphs is True else 'off' if graphs is False else graphs}")
+    from vllm_bi.gpu_gate import load_record, status
+
+    print(f"GPU gate: {status(load_record())[1]}")
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "vllm_bi"]
     print("vLLM plugin entry point:", eps[0].value if eps else "MISSING (reinstall vllm_bi)")
     return 0 if eps else 1
