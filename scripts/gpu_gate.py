@@ -3,7 +3,7 @@
 a record of the CUDA sources it ran (``vllm_bi.gpu_gate``).
 
 The matrix: the three families (qwen3.5, qwen3-next, qwen3.5-moe) and a model with unusual head shapes (hidden 1536,
-GDN 4 key / 8 value heads, 48 experts top-6, 7 layers), each in every GDN mode (recurrent, chunk, hybrid) with the
+GDN 4 key / 8 value heads, 48 experts top-6, 7 layers), each in every GDN mode CUDA serves (recurrent, chunk) with the
 default arithmetic; the named fast arithmetic (tuned Triton GEMM with the shipped H200 tile table, decode CUDA graphs
 where the mode allows them) in every mode on qwen3.5 and the unusual model; Qwen3.5-9B layer dimensions in the chunk
 and recurrent modes; and a stock-vLLM control that must differ. Prompts of 5-700 words, 2 samples each, 48 tokens.
@@ -32,7 +32,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_suite as S  # noqa: E402
 
-MODES = ("recurrent", "chunk", "hybrid")
+# the hybrid mode is refused on CUDA (``patches._refuse_hybrid_on_cuda``) since this gate measured it inexact there;
+# add it back with its fix
+MODES = ("recurrent", "chunk")
 FAST = {"gemm": "triton", "tiles": "h200-qwen3.5-9b", "graphs": "decode"}
 MEM = "--gpu-memory-utilization 0.09"
 

@@ -97,10 +97,10 @@ def status(record: dict | None, hashes: dict[str, str] | None = None) -> tuple[b
 def readme_line(record: dict) -> str:
     """The README's status line for ``record``."""
     jobs = record.get("jobs", [])
-    bad = [f"{j['job']} ({j.get('result', '?')})" for j in jobs if not j.get("as_expected")]
+    bad = [j["job"] for j in jobs if not j.get("as_expected")]
     v = record.get("versions", {})
     verdict = ("trainer == server bit for bit in every BI job and the stock control differs" if jobs and not bad
-               else "not as expected: " + "; ".join(bad or ["no jobs ran"]))
+               else "not as expected (results in the record): " + "; ".join(bad or ["no jobs ran"]))
     return (f"GPU gate {record.get('date', '?')} on {record.get('device', '?')} (vLLM {v.get('vllm', '?')}, torch "
             f"{v.get('torch', '?')}, Triton {v.get('triton', '?')}, fla-core {v.get('fla', '?')}), CUDA sources "
             f"{record.get('sources_hash', '?')[:12]} (`{RECORD}`): {len(jobs) - len(bad)}/{len(jobs)} jobs as "

@@ -162,3 +162,20 @@ def test_rl_trainer_on_policy_exact_and_backward_through_the_switch(served, tmp_
         assert r["tokens/completion"] > 0
     assert any(r["grad_norm"] > 0 for r in rows), "no gradient: the backward was not exercised"
     assert srv.weight_version() == "3"
+
+
+def test_hybrid_mode_is_refused_on_cuda(monkeypatch):
+    """The GPU gate measured the hybrid mode inexact on CUDA: a CUDA engine refuses it by name; CPU and the other
+    modes go on."""
+    import types
+
+    from vllm_bi.model_executor.patches import BatchInvarianceConfigError, _refuse_hybrid_on_cuda
+
+    cuda, cpu = types.SimpleNamespace(is_cuda=lambda: True), types.SimpleNamespace(is_cuda=lambda: False)
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "hybrid")
+    with pytest.raises(BatchInvarianceConfigError, match="hybrid is not exact on CUDA.*use VLLM_BI_GDN_MODE=chunk"):
+        _refuse_hybrid_on_cuda(cuda)
+    _refuse_hybrid_on_cuda(cpu)
+    for mode in ("chunk", "recurrent"):
+        monkeypatch.setenv("VLLM_BI_GDN_MODE", mode)
+        _refuse_hybrid_on_cuda(cuda)

@@ -142,6 +142,7 @@ def _patch_engine_args() -> None:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         _hybrid_prefix_caching(self)
+        _refuse_hybrid_on_cuda(current_platform)
         if current_platform.is_cuda():
             from vllm_bi.model_executor.cuda import own_ops_requested
 
@@ -220,6 +221,19 @@ def _hybrid_prefix_caching(args) -> None:
     args.enable_prefix_caching = False
     logger.warning("vllm_bi: %s=hybrid: prefix caching off (a state cached by another request would have other "
                    "bits)", GDN_MODE_ENV)
+
+
+def _refuse_hybrid_on_cuda(platform) -> None:
+    """``VLLM_BI_GDN_MODE=hybrid`` on CUDA: refused. The GPU gate (``docs/results/gpu-gate.json``) measured the
+    trainer's logprobs equal to the served ones on only 88-98% of tokens for prompts of 5-700 words (exact on CPU on
+    the same prompts), so the mode does not deliver what batch invariance claims there."""
+    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
+
+    if platform.is_cuda() and gdn_mode() == "hybrid":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: {GDN_MODE_ENV}=hybrid is not exact on CUDA (the GPU gate measured 88-98% of tokens equal to "
+            f"the trainer's, docs/results/2026-12-02-h200-chunk-nan.md); use {GDN_MODE_ENV}=chunk (exact, the "
+            "fastest prefill) or recurrent.")
 
 
 def _check_graphs(config) -> None:
