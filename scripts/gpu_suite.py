@@ -193,35 +193,33 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
     }
 
 
-def long_prompts(models: str) -> str:
-    """A JSONL prompts file (written once) of 8 prompts of about 150-300 tokens."""
-    path = os.path.join(models, "long_prompts.jsonl")
+def _prompts_file(path: str, text: str, lengths, answer: str) -> str:
+    """A JSONL prompts file (written once): prompt ``i`` is ``lengths[i]`` words of ``text`` from its ``i``-th word
+    on, with an ``answer`` that lets the trainer's jobs use the file as a task (reward: contains)."""
     if not os.path.exists(path):
-        os.makedirs(models, exist_ok=True)
-        words = ("the state of a gated delta rule layer keeps a running summary of keys and values and decays "
-                 "it at every token while the attention layers read the whole context").split()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        words = text.split()
         with open(path, "w") as f:
-            for i in range(8):
-                n = 150 + 20 * i
-                # "answer" lets the trainer's jobs use the file as a task (reward: contains)
+            for i, n in enumerate(lengths):
                 f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n)),
-                                    "answer": "state"}) + "\n")
+                                    "answer": answer}) + "\n")
     return path
+
+
+def long_prompts(models: str) -> str:
+    """8 prompts of about 150-300 tokens."""
+    return _prompts_file(os.path.join(models, "long_prompts.jsonl"),
+                         "the state of a gated delta rule layer keeps a running summary of keys and values and decays "
+                         "it at every token while the attention layers read the whole context",
+                         [150 + 20 * i for i in range(8)], "state")
 
 
 def mixed_prompts(models: str) -> str:
-    """A JSONL prompts file (written once) of 12 prompts from 5 to about 700 words: shorter than a block, within
-    one, and over ten blocks."""
-    path = os.path.join(models, "mixed_prompts.jsonl")
-    if not os.path.exists(path):
-        os.makedirs(models, exist_ok=True)
-        words = ("a tool call returned its output and the agent read it then wrote the next step of the plan "
-                 "checking each value against the state it kept").split()
-        with open(path, "w") as f:
-            for i, n in enumerate((5, 9, 17, 40, 63, 64, 65, 130, 200, 333, 512, 700)):
-                f.write(json.dumps({"prompt": " ".join(words[(i + j) % len(words)] for j in range(n)),
-                                    "answer": "step"}) + "\n")
-    return path
+    """12 prompts from 5 to 700 words: shorter than a block, within one, and over ten blocks."""
+    return _prompts_file(os.path.join(models, "mixed_prompts.jsonl"),
+                         "a tool call returned its output and the agent read it then wrote the next step of the plan "
+                         "checking each value against the state it kept",
+                         (5, 9, 17, 40, 63, 64, 65, 130, 200, 333, 512, 700), "step")
 
 
 def build_models(models: str, names: set[str]) -> None:
