@@ -29,7 +29,8 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
   (Hopper with Triton < 3.7.1 and no tilelang). Each row has the step's wall time and its GPU time (kernels and
   copies, torch.profiler): the step is host-bound at these sizes, so the wall ratio moves with host noise
-  (session 11: chunk 4x1K 1.13x then 1.56x in consecutive runs on one machine) while the GPU time does not.
+  (chunk 4x1K 1.13x then 1.56x in consecutive runs on one machine: ``docs/results/2026-11-30-h200-session11.md``)
+  while the GPU time does not.
 
 * layer (``--part layer``): in-projections + core + out-projection (no gated output norm), stock = cuBLAS
   bf16 GEMMs + the stock core, BI = ``bi_linear`` (float64, or ``VLLM_BI_GEMM=triton``) + ``gdn_varlen``.
@@ -439,8 +440,8 @@ def main() -> None:
               Shape("decode 1", [1], True, p), Shape("decode 16", [1] * 16, True, p),
               Shape("decode 256", [1] * 256, True, p), Shape("decode 256, partial 63 (worst)", [1] * 256, True, 63)]
     # the torch-recurrence backward (where fla-core refuses its chunked one) keeps every step's state: 4K tokens
-    # issue 6's three shapes, then an RL-sized batch (many sequences: the recurrent kernel of the recurrent and
-    # hybrid modes runs sequences in parallel, tokens in order)
+    # the three shapes of the per-layer cost targets, then an RL-sized batch (many sequences: the recurrent
+    # kernel of the recurrent and hybrid modes runs sequences in parallel, tokens in order)
     train = [("train 1x4K", [4096]), ("train 4x1K", [1024] * 4), ("train 16x256", [256] * 16),
              ("train 64x1K (RL batch)", [1024] * 64)]
     if args.quick:

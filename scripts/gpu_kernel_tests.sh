@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU kernel tests on a CUDA machine without network (the device tool's H200):
+# GPU kernel tests on a CUDA machine without network (the H200):
 # installs the wheels carried in .wheels/ (fla-core, einops, pytest) into .gpu_deps/ and runs
 # `pytest -m gpu tests/gpu`. Prepare the wheels here with:
 #   pip download --no-deps fla-core==0.6.0 einops pytest pluggy iniconfig -d .wheels

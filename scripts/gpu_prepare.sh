@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prepare what the device tool's H200 (no network, torch 2.11+cu130 preinstalled) needs to run
+# Prepare what the H200 (no network, torch 2.11+cu130 preinstalled) needs to run
 # vLLM 0.32.0 (GPU wheel) with vllm_bi: run HERE (needs PyPI). Writes .gpu_bundle/partN/ (gitignored),
-# each < 60 MiB so one device call can carry it, each with a MANIFEST listing what it holds.
+# each < 60 MiB so one transfer to the GPU machine can carry it, each with a MANIFEST listing what it holds.
 #   scripts/gpu_prepare.sh [OUTDIR]          (default: .gpu_bundle)
 #   VLLM_BI_TILELANG=1 scripts/gpu_prepare.sh     also part4/part5: tilelang for fla-core's gated chunk backward
 #   VLLM_BI_TILELANG=only scripts/gpu_prepare.sh  only (re)make part4/part5, leave part1..3 as they are

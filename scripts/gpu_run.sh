@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run ON the GPU machine (device tool's H200: no network, python3 with torch 2.11+cu130).
+# Run ON the GPU machine (an H200 with no network, python3 with torch 2.11+cu130).
 #   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
 #                                    suite [ARGS ;] (scripts/gpu_suite.py), gate [ARGS ;] (scripts/gpu_gate.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
@@ -11,8 +11,8 @@
 # installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
 # warm machine. vllm_bi itself is used from this checkout (PYTHONPATH) and made visible to vLLM's
 # plugin loader by a hand-written vllm_bi.dist-info with the `vllm.general_plugins` entry point.
-# Logs go to $OUT when set (the device tool's output folder). VLLM_BI_NO_INSTALL=1 skips the install step (for a
-# second gpu_run.sh started beside a first one on a machine already installed).
+# Logs go to $OUT when set (the output folder that comes back from the GPU machine). VLLM_BI_NO_INSTALL=1 skips
+# the install step (for a second gpu_run.sh started beside a first one on a machine already installed).
 # Compile caches: tilelang compiles fla-core's Hopper backward kernels (~17 s each, per process). `save-caches`
 # writes ~/.tilelang to $OUT/tilelang_cache.tar.gz; a tilelang_cache.tar.gz in the bundle folder is unpacked at
 # install, so a fresh machine skips those compiles.
@@ -89,8 +89,8 @@ restore_caches() {
 }
 
 # part4's tilelang without part5's z3 imports half-way ("Failed to import z3, consider to reinstall tilelang") and
-# every vLLM engine started then died at its first request (session 15, call 4): run nothing but installs until
-# part5 is in too.
+# every vLLM engine started then died at its first request (docs/results/2026-12-01-h200-session15.md): run
+# nothing but installs until part5 is in too.
 half_tilelang() {
   ls "$SITE"/.installed.part4.* >/dev/null 2>&1 && ! ls "$SITE"/.installed.part5.* >/dev/null 2>&1
 }

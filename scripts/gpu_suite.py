@@ -98,12 +98,14 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--model", m["qwen3.5-tp"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
         ],
-        # no checkpoints: ~10 GB each at 9b-dims (session 6: gathered on rank 0, a step then took minutes); the
-        # small FSDP2 job above still writes its sharded checkpoints every step
+        # no checkpoints: ~10 GB each at 9b-dims (gathered on rank 0, a step then took minutes:
+        # docs/results/2026-11-30-h200-session6.md); the small FSDP2 job above still writes its sharded checkpoints
+        # every step
         "fsdp2-big": [Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--save-every", "0", "--model", m["qwen3.5-9b"]],
-                      # session 7: steps of 3-6 minutes, cause unknown; Triton prints each autotuning it does
+                      # steps of 3-6 minutes, cause unknown (docs/results/2026-11-30-h200-session7.md);
+                      # Triton prints each autotuning it does
                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "TRITON_PRINT_AUTOTUNING": "1"}, gpus=2)],
         # chunk-aligned GDN mode: prompts of 150-300 tokens split by the 64-token batch budget at
         # unaligned offsets, and 80 decode steps that cross block boundaries
@@ -134,7 +136,7 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                     prompts=long_prompts(models), **fast),
             _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid",
                     max_tokens=80, prompts=long_prompts(models), **fast),
-            # MoE: the grouped triton experts (the CUDA default since session 11) can be captured
+            # MoE: the grouped triton experts (the CUDA default) can be captured
             _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5-moe", m["qwen3.5-moe"],
                     gdn="hybrid", max_tokens=80, prompts=long_prompts(models), **fast),
             Job(f"trainer 1 GPU hybrid-fast (hybrid + {fast_name}) qwen3.5 (long prompts)", "trainer",
