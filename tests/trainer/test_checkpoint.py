@@ -1,4 +1,4 @@
-"""Trainer checkpoints (``loop.save_checkpoint`` / ``load_checkpoint``): every process writes its own shards
+"""Trainer checkpoints (``checkpoint.save_checkpoint`` / ``load_checkpoint``): every process writes its own shards
 (torch.distributed.checkpoint), nothing is gathered on one rank, and a resumed policy holds exactly the saved
 masters, bf16 parameters and AdamW state, also when a checkpoint written by 2 FSDP2 processes (gloo) is
 resumed by 1. No server: the policy is stepped with made-up gradients."""
@@ -12,9 +12,11 @@ import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 from vllm_bi.testing.server import free_port
+from vllm_bi.trainer.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.distributed import Dist
-from vllm_bi.trainer.loop import Policy, TrainerError, load_checkpoint, read_checkpoint, save_checkpoint
+from vllm_bi.trainer.errors import TrainerError
+from vllm_bi.trainer.policy import Policy
 
 # one script for both sides: `save N` steps a policy N times with seeded gradients and checkpoints it;
 # `dump` resumes a fresh policy from the checkpoint and writes what it holds (whole tensors) to a file
@@ -22,9 +24,10 @@ SCRIPT = r"""
 import sys, torch
 import torch.distributed.tensor
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.trainer.checkpoint import load_checkpoint, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.distributed import Dist
-from vllm_bi.trainer.loop import Policy, load_checkpoint, save_checkpoint
+from vllm_bi.trainer.policy import Policy
 
 model_dir, run_dir, what = sys.argv[1:4]
 dist = Dist()

@@ -91,7 +91,7 @@ def test_group_advantages_and_clip():
 
 def test_checkpoint_schedule():
     """--save-every N: at step 0, every N steps and at the end; 0: never (large models' full checkpoints)."""
-    from vllm_bi.trainer.loop import checkpoint_due
+    from vllm_bi.trainer.checkpoint import checkpoint_due
 
     assert [d for d in range(8) if checkpoint_due(3, d, 7)] == [0, 3, 6, 7]
     assert [d for d in range(5) if checkpoint_due(1, d, 4)] == [0, 1, 2, 3, 4]

@@ -17,10 +17,12 @@ import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 from vllm_bi.testing.server import VllmServer, cpu_env, free_port
-from vllm_bi.trainer import loop as loop_mod
+from vllm_bi.trainer import policy as policy_mod
 from vllm_bi.trainer import sync as sync_mod
+from vllm_bi.trainer.checkpoint import read_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
-from vllm_bi.trainer.loop import TrainerError, train
+from vllm_bi.trainer.errors import TrainerError
+from vllm_bi.trainer.loop import train
 from vllm_bi.trainer.metrics import read_metrics
 from vllm_bi.weights import weight_digest
 
@@ -176,7 +178,7 @@ def test_weight_mismatch_refuses_and_resumes(server, model_dir, tmp_path, monkey
 
 
 def test_nan_loss_stops_cleanly_with_a_resumable_checkpoint(server, model_dir, tmp_path, monkeypatch):
-    orig = loop_mod.clipped_surrogate
+    orig = policy_mod.clipped_surrogate
     calls = {"n": 0}
 
     def nan_on_third_micro_batch(*a, **k):
@@ -184,11 +186,11 @@ def test_nan_loss_stops_cleanly_with_a_resumable_checkpoint(server, model_dir, t
         loss, st = orig(*a, **k)
         return (loss * float("nan") if calls["n"] == 3 else loss), st
 
-    monkeypatch.setattr(loop_mod, "clipped_surrogate", nan_on_third_micro_batch)
+    monkeypatch.setattr(policy_mod, "clipped_surrogate", nan_on_third_micro_batch)
     c = cfg(server, model_dir, tmp_path, steps=4, micro_batch_seqs=8)  # 2 micro-batches per step
     with pytest.raises(TrainerError, match=r"loss is nan.*not applied.*continue from step 1"):
         train(c)
-    state = loop_mod.read_checkpoint(str(tmp_path))
+    state = read_checkpoint(str(tmp_path))
     assert state["meta"]["step"] == 1
     assert all(torch.isfinite(t).all() for t in state["masters"].values())
 

@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from vllm_bi.trainer.loop import TrainerError, train
+    from vllm_bi.trainer.errors import TrainerError
+    from vllm_bi.trainer.loop import train
 
     try:
         rows = train(cfg)

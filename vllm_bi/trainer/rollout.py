@@ -7,17 +7,23 @@ server returned for every sampled token, and the weight version it was sampled
 under. The trainer never swaps weights while a batch is being generated, and
 the server's ``/weight_info`` is read before and after each batch to prove it.
 Every sample has its own seed, derived from (run seed, batch index, prompt,
-sample), so a resumed run re-samples exactly what was lost.
+sample), so a resumed run re-samples exactly what was lost. :class:`RolloutThread`
+samples the batches of a run in order in the background, batch ``b`` only once
+the server's weight version ``v`` satisfies ``b - v <= max_staleness``, holding
+``swap_lock`` while it samples; each batch, or the exception that stopped it,
+goes to ``out``.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
 from vllm_bi.trainer.rewards import checked_reward
 
-__all__ = ["Sample", "RolloutBatch", "generate_batch", "VersionChanged"]
+__all__ = ["Sample", "RolloutBatch", "generate_batch", "VersionChanged", "RolloutThread"]
 
 
 class VersionChanged(RuntimeError):
@@ -78,3 +84,36 @@ def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, versio
         s.reward = checked_reward(reward_fn, ex["prompt"], text, ex)
         batch.samples.append(s)
     return batch
+
+
+class RolloutThread(threading.Thread):
+    def __init__(self, generate, first: int, last: int, max_staleness: int, version: int):
+        super().__init__(daemon=True, name="vllm_bi-rollouts")
+        self.generate, self.first, self.last, self.max_staleness = generate, first, last, max_staleness
+        self.version = version
+        self.cond = threading.Condition()
+        self.swap_lock = threading.Lock()  # held while sampling a batch and while pushing weights
+        self.out: queue.Queue = queue.Queue()
+        self.stopped = False
+
+    def set_version(self, v: int) -> None:
+        with self.cond:
+            self.version = v
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def run(self) -> None:
+        try:
+            for b in range(self.first, self.last):
+                with self.cond:
+                    self.cond.wait_for(lambda: self.stopped or b - self.version <= self.max_staleness)
+                    if self.stopped:
+                        return
+                with self.swap_lock:
+                    self.out.put(self.generate(b, self.version))
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            self.out.put(e)

@@ -1,0 +1,17 @@
+"""The trainer's exceptions. :class:`TrainerError` ends a run with a message the user can act on (what went
+wrong and how to resume); :class:`NaNLoss` reports a non-finite loss or gradient norm, raised before the update
+is applied (the gradients are dropped, the weights are unchanged). This module imports nothing of the trainer,
+so every other module can import them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TrainerError", "NaNLoss"]
+
+
+class TrainerError(RuntimeError):
+    """A run ended on an error the user can act on; the message says what and how to resume."""
+
+
+class NaNLoss(FloatingPointError):
+    pass
