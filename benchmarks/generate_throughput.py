@@ -136,8 +136,8 @@ def main() -> int:
 
     import shlex
 
-    from vllm_bi.testing.server import VllmServer, cpu_env
-    from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
+    from vllm_bi.launcher import VllmServer, cpu_env
+    from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     spec = SPECS[args.spec]
     if args.layers is not None:

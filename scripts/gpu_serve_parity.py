@@ -31,8 +31,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from vllm_bi.testing.server import VllmServer  # noqa: E402
-from vllm_bi.testing.tiny_models import SPECS, build_tiny_model, corpus  # noqa: E402
+from vllm_bi.launcher import VllmServer  # noqa: E402
+from vllm_bi.tiny_models import SPECS, build_tiny_model, corpus  # noqa: E402
 
 
 def gpu_env(mode: str) -> dict:

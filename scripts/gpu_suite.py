@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 
 MEM = "--gpu-memory-utilization 0.1"
 STOCK_ARGS = "--gdn-prefill-backend triton"
-# the models the jobs use: directory name -> (family, spec of vllm_bi.testing.tiny_models.SPECS)
+# the models the jobs use: directory name -> (family, spec of vllm_bi.tiny_models.SPECS)
 MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
           "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
           "moe-router": ("qwen3.5-moe", "moe-router"),
@@ -225,7 +225,7 @@ def mixed_prompts(models: str) -> str:
 
 
 def build_models(models: str, names: set[str]) -> None:
-    from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
+    from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     for key in sorted(names):
         fam, spec = MODELS[key]
@@ -262,7 +262,7 @@ class GpuPool:
 
 # --------------------------------------------------------------------------- job processes
 # A job runs in its own session (start_new_session), so one killpg reaches torchrun and its ranks; the vLLM server
-# a trainer or parity run starts calls setsid itself (vllm_bi.testing.server.VllmServer), so the job's processes are
+# a trainer or parity run starts calls setsid itself (vllm_bi.launcher.VllmServer), so the job's processes are
 # also found through /proc: descendants by ppid (tracked while the job runs, so an orphaned server stays known) and
 # every process whose environment carries the job's token (MARK), which all of them inherit.
 
@@ -508,7 +508,7 @@ def run_job(job: Job, pool: GpuPool, logdir: str, partial: str | None = None) ->
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: the trainer would resume a previous suite's run
         argv += ["--run-dir", run_dir]
         if "torch.distributed.run" in argv:
-            from vllm_bi.testing.server import free_port
+            from vllm_bi.launcher import free_port
 
             argv[argv.index("torch.distributed.run") + 1:1] = ["--master-port", str(free_port())]
     elif job.kind == "serve":

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from vllm_bi.testing.tiny_models import build_tiny_model
+from vllm_bi.tiny_models import build_tiny_model
 
 MODEL_ROOT = os.environ.get("VLLM_BI_TEST_MODELS", os.path.join(os.path.dirname(__file__), "..", ".test_models"))
 
@@ -51,7 +51,7 @@ def bi_server(tiny_model_path):
     """``with bi_server(family, env) as srv``: a batch-invariant ``vllm serve`` of the tiny ``family`` model (64-token
     batches, 16 sequences) with extra environment and the dev-mode routes through which ``vllm-bi parity`` reads
     the server's settings."""
-    from vllm_bi.testing.server import VllmServer, cpu_env
+    from vllm_bi.launcher import VllmServer, cpu_env
 
     def start(family, env):
         return VllmServer(tiny_model_path(family), args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],

@@ -32,7 +32,7 @@ def test_parity_exit_codes_are_documented_and_a_dead_server_is_exit_3(tmp_path):
     import subprocess
     import sys
 
-    from vllm_bi.testing.server import free_port
+    from vllm_bi.launcher import free_port
 
     exe = os.path.join(os.path.dirname(sys.executable), "vllm-bi")
     help_text = subprocess.run([exe, "parity", "--help"], capture_output=True, text=True, timeout=120).stdout

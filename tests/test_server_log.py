@@ -1,7 +1,7 @@
 """A failed ``vllm serve`` start names its root cause: the engine process's traceback, which vLLM prints long
 before the API server's own (which only says the engine failed)."""
 
-from vllm_bi.testing.server import log_excerpt
+from vllm_bi.launcher import log_excerpt
 
 
 def test_excerpt_shows_the_engine_traceback_before_the_tail(tmp_path):

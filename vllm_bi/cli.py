@@ -23,7 +23,7 @@ __all__ = ["main"]
 
 
 def _cmd_make_model(args) -> int:
-    from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
+    from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     path = build_tiny_model(args.family, args.out, seed=args.seed, spec=SPECS[args.spec], overwrite=args.overwrite)
     print(f"wrote {args.family} (spec {args.spec}, seed {args.seed}) to {path}")
@@ -83,8 +83,8 @@ def _fmt(xs, n=6):
 
 
 def _cmd_demo(args) -> int:
-    from vllm_bi.testing.server import VllmServer
-    from vllm_bi.testing.tiny_models import build_tiny_model
+    from vllm_bi.launcher import VllmServer
+    from vllm_bi.tiny_models import build_tiny_model
 
     model = args.model
     if model is None:
@@ -120,7 +120,7 @@ def _cmd_demo(args) -> int:
     stock_row = None
     if args.compare_stock:
         print("[+] the same greedy request on stock vLLM (VLLM_BATCH_INVARIANT=0: the plugin is inactive)", flush=True)
-        from vllm_bi.testing.server import cpu_env
+        from vllm_bi.launcher import cpu_env
 
         with VllmServer(model, batch_invariant=False, env=cpu_env(False), args=server_args + ["--enforce-eager"]) as srv:
             alone = srv.complete(prompt, max_tokens=args.max_tokens)
@@ -142,7 +142,7 @@ def _cmd_demo(args) -> int:
 def _cmd_parity(args) -> int:
     from vllm_bi.client import ServerError, ServerUnreachable
     from vllm_bi.parity import SettingsMismatch, load_prompts, run_parity
-    from vllm_bi.testing.server import ServerStartError
+    from vllm_bi.launcher import ServerStartError
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     try:
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     pa.set_defaults(fn=_cmd_parity)
 
-    from vllm_bi.testing.tiny_models import FAMILIES, SPECS
+    from vllm_bi.tiny_models import FAMILIES, SPECS
 
     dg = sub.add_parser("diag", help="where server and trainer part: per decoder sub-module, exact comparison",
                         description="Runs vLLM in this process (VLLM_BATCH_INVARIANT=1) with hooks on every decoder "

@@ -216,7 +216,7 @@ def run_parity(
     from tqdm import tqdm
 
     from vllm_bi.client import ServerError, ServerUnreachable, VllmClient
-    from vllm_bi.testing.server import VllmServer, cpu_env
+    from vllm_bi.launcher import VllmServer, cpu_env
 
     if trainer not in ("vllm_bi", "hf"):
         raise ValueError(f"--trainer must be vllm_bi or hf, not {trainer!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from vllm_bi.testing.server import Completion, VllmServer
+from vllm_bi.launcher import Completion, VllmServer
 
 MAX_TOKENS = 16
 SEEDED = {"temperature": 1.0, "seed": 4242}

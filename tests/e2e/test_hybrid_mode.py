@@ -18,8 +18,8 @@ import random
 
 import pytest
 
-from vllm_bi.testing.server import VllmServer, cpu_env
-from vllm_bi.testing.tiny_models import corpus
+from vllm_bi.launcher import VllmServer, cpu_env
+from vllm_bi.tiny_models import corpus
 
 pytestmark = pytest.mark.server
 

@@ -25,7 +25,7 @@ POISON = 7  # the token whose embedding row is NaN
 def poisoned_server(tiny_model_path, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from vllm_bi.testing.server import VllmServer, cpu_env
+    from vllm_bi.launcher import VllmServer, cpu_env
 
     src = tiny_model_path("qwen3.5")
     path = str(tmp_path_factory.mktemp("poisoned") / "model")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from vllm_bi.testing.server import VllmServer
+from vllm_bi.launcher import VllmServer
 
 pytestmark = pytest.mark.server
 

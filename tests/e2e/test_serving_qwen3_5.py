@@ -10,7 +10,7 @@ import pytest
 from parity_suite import check_p1, check_p2, check_p3, hf_reference_check
 from scenarios import GREEDY, SEEDED, make_prompts, run_scenarios
 
-from vllm_bi.testing.server import VllmServer
+from vllm_bi.launcher import VllmServer
 
 pytestmark = pytest.mark.server
 

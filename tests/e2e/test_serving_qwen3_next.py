@@ -9,7 +9,7 @@ import pytest
 from parity_suite import check_p1, check_p2, check_p3
 from scenarios import GREEDY, SEEDED, SEEDED_T07, make_prompts, p3_pairs, run_scenarios, same
 
-from vllm_bi.testing.server import VllmServer, cpu_env
+from vllm_bi.launcher import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 

@@ -13,8 +13,8 @@ from conftest import MODEL_ROOT
 from parity_suite import check_p1, check_p4
 from scenarios import GREEDY, SEEDED, make_prompts, run_scenarios
 
-from vllm_bi.testing.server import VllmServer, cpu_env
-from vllm_bi.testing.tiny_models import SPECS, build_tiny_model
+from vllm_bi.launcher import VllmServer, cpu_env
+from vllm_bi.tiny_models import SPECS, build_tiny_model
 
 pytestmark = pytest.mark.server
 

@@ -7,7 +7,7 @@ import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
 from vllm_bi.parity import trainer_logprobs
-from vllm_bi.testing.server import VllmServer, cpu_env
+from vllm_bi.launcher import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.server]
 require_cuda_vllm_fla()
 
 from vllm_bi.parity import SettingsMismatch, run_parity  # noqa: E402
-from vllm_bi.testing.tiny_models import build_tiny_model  # noqa: E402
+from vllm_bi.tiny_models import build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-from vllm_bi.testing.server import free_port
+from vllm_bi.launcher import free_port
 from vllm_bi.trainer.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.distributed import Dist

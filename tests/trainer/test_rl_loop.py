@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-from vllm_bi.testing.server import VllmServer, cpu_env, free_port
+from vllm_bi.launcher import VllmServer, cpu_env, free_port
 from vllm_bi.trainer import policy as policy_mod
 from vllm_bi.trainer import sync as sync_mod
 from vllm_bi.trainer.checkpoint import read_checkpoint

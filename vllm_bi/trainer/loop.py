@@ -66,7 +66,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         model_dir = os.path.abspath(os.path.join(cfg.run_dir, "base_model"))
 
         def build():
-            from vllm_bi.testing.tiny_models import build_tiny_model
+            from vllm_bi.tiny_models import build_tiny_model
 
             build_tiny_model(cfg.model_family, model_dir, seed=cfg.seed)
 

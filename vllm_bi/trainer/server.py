@@ -28,7 +28,7 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def start_server(cfg: TrainerConfig, model_dir: str):
-    from vllm_bi.testing.server import VllmServer, cpu_env
+    from vllm_bi.launcher import VllmServer, cpu_env
 
     log = os.path.join(cfg.run_dir, "server.log")
     logger.info("starting VLLM_BATCH_INVARIANT=1 vllm serve %s (log: %s)", model_dir, log)

@@ -18,7 +18,7 @@ happened to be batch-invariant, so tests could not see the problem
 
 Usage::
 
-    from vllm_bi.testing.tiny_models import build_tiny_model
+    from vllm_bi.tiny_models import build_tiny_model
     path = build_tiny_model("qwen3-next", "/tmp/tiny-qwen3-next", seed=0)
 """
 
