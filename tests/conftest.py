@@ -58,3 +58,25 @@ def bi_server(tiny_model_path):
                           env=cpu_env(True, dict(env, VLLM_SERVER_DEV_MODE="1")))
 
     return start
+
+
+# --------------------------------------------------------------------------- durations
+# Each test's setup + call + teardown time; the slowest 25 go to test-durations.txt, which scripts/test.sh prints
+# (where CI's time goes: shared servers are set up by the first test that asks for them).
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _DURATIONS or hasattr(session.config, "workerinput"):
+        return
+    rows = sorted(_DURATIONS.items(), key=lambda kv: -kv[1])
+    total = sum(_DURATIONS.values())
+    path = os.path.join(os.path.dirname(__file__), "..", "test-durations.txt")
+    with open(path, "w") as f:
+        f.write(f"{len(rows)} tests, {total:.0f} s of setup + call + teardown; the slowest 25:\n")
+        for nodeid, secs in rows[:25]:
+            f.write(f"{secs:8.1f} s  {nodeid}\n")
