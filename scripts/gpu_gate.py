@@ -53,9 +53,7 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
                 else f"{model_key} {mode} {arithmetic}" + (" (no graphs: refused in chunk mode)"
                                                              if arithmetic == "fast" and mode == "chunk" else ""))
         job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
-                        **extra)
-        job.argv[job.argv.index("--server-args") + 1] = job.argv[job.argv.index("--server-args") + 1].replace(
-            S.MEM, MEM)
+                        mem=MEM, **extra)
         out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic}))
 
     for key in ("qwen3.5", "qwen3-next", "qwen3.5-moe", "qwen3.5-moe-odd"):

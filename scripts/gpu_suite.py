@@ -55,8 +55,8 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm="fp64", attention="auto", graphs="", moe="", tiles=None) -> Job:
-    server_args = f"{MEM} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
+            prompts=None, gemm="fp64", attention="auto", graphs="", moe="", tiles=None, mem=MEM) -> Job:
+    server_args = f"{mem} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
     if stock:

@@ -181,9 +181,11 @@ def _one_line(e: BaseException, width: int = 400) -> str:
     excerpt) and the log's path, cut to ``width`` characters each."""
     import re
 
+    from vllm_bi.launcher import _ERROR_LINE
+
     lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()] or [type(e).__name__]
     text = lines[0]
-    errors = [x for x in lines[1:] if re.search(r"\w(Error|Exception)\b", x)]
+    errors = [x for x in lines[1:] if _ERROR_LINE.match(x)]  # the excerpt's cause ends at such a line
     if errors:
         text = f"{text} {errors[-1]}"
     where = re.search(r"\((whole log|server log): [^)]*\)", str(e))
