@@ -29,7 +29,7 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
   (Hopper with Triton < 3.7.1 and no tilelang). Each row has the step's wall time and its GPU time (kernels and
   copies, torch.profiler): the step is host-bound at these sizes, so the wall ratio moves with host noise
-  (chunk 4x1K 1.13x then 1.56x in consecutive runs on one machine: ``docs/results/2026-11-30-h200-session11.md``)
+  (chunk 4x1K 1.13x then 1.56x in consecutive runs on one machine: ``docs/results/2026-11-30-h200-gdn-layer-targets-and-moe.md``)
   while the GPU time does not.
 
 * layer (``--part layer``): in-projections + core + out-projection (no gated output norm), stock = cuBLAS

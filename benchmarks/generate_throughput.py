@@ -19,7 +19,7 @@ Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock
 from the environment to the BI modes, and the table's header names each; a mode that would contradict the
 environment (``VLLM_BI_GEMM=fp64`` set with ``--modes chunk-triton``) is refused before any server starts. Each
 phase is measured ``--repeats`` times on the same server and the median is reported (stock's throughput varied
-by up to 1.5x between servers on the H200, ``docs/results/2026-11-30-h200-session9.md``). The default model has
+by up to 1.5x between servers on the H200, ``docs/results/2026-11-30-h200-gemm-tiles-and-fsdp2-9b.md``). The default model has
 4 layers, where a step's host work weighs more than its kernels; ``--layers`` builds a deeper one (32 is
 Qwen3.5-9B's depth: ~7 B parameters, 14 GB) to weigh the per-layer kernels as a real checkpoint would. Ratios are
 stock / mode throughput (how many times slower than stock). Rows are written as they come (``--out``), so a cut
@@ -57,7 +57,7 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def model_runner(hybrid: bool, environ) -> str:
     """Which vLLM model runner a row's server used: the hybrid GDN mode pins V1; otherwise
     ``VLLM_USE_V2_MODEL_RUNNER`` or vLLM's own choice (V2 on CUDA, V1 on CPU). Rows on different runners are not
-    like for like (``docs/results/2026-11-30-h200-session10.md``)."""
+    like for like (``docs/results/2026-11-30-h200-triton-gemm-e2e-and-hybrid.md``)."""
     if hybrid:
         return "V1 (pinned by the hybrid mode)"
     value = (environ.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()

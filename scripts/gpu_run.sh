@@ -89,7 +89,7 @@ restore_caches() {
 }
 
 # part4's tilelang without part5's z3 imports half-way ("Failed to import z3, consider to reinstall tilelang") and
-# every vLLM engine started then died at its first request (docs/results/2026-12-01-h200-session15.md): run
+# every vLLM engine started then died at its first request (docs/results/2026-12-01-h200-chunk-decode-targets.md): run
 # nothing but installs until part5 is in too.
 half_tilelang() {
   ls "$SITE"/.installed.part4.* >/dev/null 2>&1 && ! ls "$SITE"/.installed.part5.* >/dev/null 2>&1

@@ -99,12 +99,12 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                        "--model", m["qwen3.5-tp"]], {"VLLM_BI_CUDA_OPS": "vllm_bi"}, gpus=2),
         ],
         # no checkpoints: ~10 GB each at 9b-dims (gathered on rank 0, a step then took minutes:
-        # docs/results/2026-11-30-h200-session6.md); the small FSDP2 job above still writes its sharded checkpoints
+        # docs/results/2026-11-30-h200-fsdp2-and-gdn-train-cost.md); the small FSDP2 job above still writes its sharded checkpoints
         # every step
         "fsdp2-big": [Job("trainer FSDP2 x2 GPUs qwen3.5 9b-dims", "trainer",
                       [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *trainer,
                        "--save-every", "0", "--model", m["qwen3.5-9b"]],
-                      # steps of 3-6 minutes, cause unknown (docs/results/2026-11-30-h200-session7.md);
+                      # steps of 3-6 minutes, cause unknown (docs/results/2026-11-30-h200-attention-op-cost.md);
                       # Triton prints each autotuning it does
                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "TRITON_PRINT_AUTOTUNING": "1"}, gpus=2)],
         # chunk-aligned GDN mode: prompts of 150-300 tokens split by the 64-token batch budget at

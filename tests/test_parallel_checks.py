@@ -90,7 +90,7 @@ def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatc
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(bad))
     with pytest.raises(BatchInvarianceConfigError, match="no shapes"):
         _check_op_settings(CPU)
-    # a table shipped with vllm_bi, by name (session 10's GPU run found the start-up check reading it as a path)
+    # a table shipped with vllm_bi, by name (a GPU run found the start-up check reading it as a path)
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
     _check_op_settings(CPU)
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h100-nothing")
@@ -166,7 +166,7 @@ def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():
 
 def test_hybrid_mode_pins_the_v1_model_runner(monkeypatch):
     """vLLM 0.32 runs its V2 model runner on CUDA, where the hybrid mode's prompt lengths are not wired (found on
-    the H200, session 10): in the hybrid mode ``VllmConfig.use_v2_model_runner`` says False, and an explicit
+    the H200): in the hybrid mode ``VllmConfig.use_v2_model_runner`` says False, and an explicit
     ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused by name."""
     from vllm.config import VllmConfig
 

@@ -96,7 +96,7 @@ def test_hf_checkpoint_round_trip(family, tiny_model_path, tmp_path):
 def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
     """The trainer's GDN layers take ``gdn_varlen``'s packed output. Per-sequence slices of it would each cost the
     backward a zero tensor of the whole output's size: at 64 x 1K tokens that doubled a layer's training time on the
-    H200 (session 12, docs/results/2026-12-01-h200-session12.md)."""
+    H200 (docs/results/2026-12-01-h200-gdn-decode-gpu-time.md)."""
     from vllm_bi.model_executor.models import hybrid
 
     calls = []

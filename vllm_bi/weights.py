@@ -16,7 +16,7 @@ guards against are stale, partial or rounded loads.)
 
 It runs in one pass on the GPU when there is one (a CPU sort of every value, the
 first version, took minutes per push at Qwen3.5-9B dimensions under torchrun's
-one thread per process; session 8).
+one thread per process).
 
 The vLLM side runs :func:`weight_digest` on ``model.named_parameters()`` in
 each worker (``vllm_bi_weight_digest`` over ``/collective_rpc``, installed by

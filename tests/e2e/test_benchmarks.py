@@ -41,7 +41,7 @@ def test_generate_throughput_writes_a_measured_row(tmp_path):
 
 
 def test_generate_throughput_refuses_a_mode_that_contradicts_the_environment():
-    """Session 9 timed the float64 GEMM while meaning the Triton one: a mode overrode ``VLLM_BI_GEMM`` from the
+    """A benchmark once timed the float64 GEMM while meaning the Triton one: a mode overrode ``VLLM_BI_GEMM`` from the
     environment. Now the contradiction stops the run before any server starts, naming both values."""
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "generate_throughput.py"), "--modes", "stock,chunk-triton"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "VLLM_BI_GEMM": "fp64"})

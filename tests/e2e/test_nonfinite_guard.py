@@ -1,8 +1,8 @@
-"""A NaN is never served (``vllm_bi.model_executor.nonfinite``): a BI server on CPU whose checkpoint has one
-embedding row poisoned with NaN fails exactly the request that reads that token (HTTP 500 with vllm_bi's message), a
-clean request served alongside it gets finite logprobs, and after it the server serves a clean request with the same
-tokens and logprobs as before it. Without the guard's count, the same logits are served (control, on the counting
-function and on the scheduler's step)."""
+"""A NaN is never served (``vllm_bi.model_executor.nonfinite``, on by default): a BI server (on CPU here; the same test
+runs on a GPU machine) whose checkpoint has one embedding row poisoned with NaN fails exactly the request that reads
+that token (HTTP 500 with vllm_bi's message), a clean request served alongside it gets finite logprobs, and after it
+the server serves a clean request with the same tokens and logprobs as before it. Without the guard's count, the same
+logits are served (control, on the counting function and on the scheduler's step)."""
 
 import json
 import math

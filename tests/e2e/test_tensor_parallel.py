@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU (issue 7's CPU variant): `vllm serve --tensor-parallel-size 2` (two worker
+"""Tensor parallelism on CPU: `vllm serve --tensor-parallel-size 2` (two worker
 processes, one core each) with VLLM_BATCH_INVARIANT=1 on a small dense Qwen3.5 and a small Qwen3.5-MoE whose
 GDN and attention heads and expert MLPs split over 2 ranks. Row-parallel layers add exact float64 partials across ranks and round once, so:
 P1 holds within the TP=2 server, and the (unsharded) trainer reproduces every sampled token's logprob

@@ -1,4 +1,4 @@
-"""Weight sync groundwork (issue 4): the trainer changes its weights in memory, exports an HF
+"""Weight sync groundwork: the trainer changes its weights in memory, exports an HF
 checkpoint, the running BI server loads it in place (no restart), and the trainer's in-memory
 model still reproduces the server's logprobs bit for bit."""
 

@@ -243,7 +243,7 @@ def test_whole_blocks_in_slots_equal_fla_core():
     outputs and the state each whole block writes into its slot (fla-core's state kernel's step, repeated by
     ``gdn_chunk_decode._block_state_kernel``) == ``gdn_chunk_varlen``'s outputs and boundary states, bit for bit;
     the partial blocks' slots and the unused ones unchanged. The server sends whole blocks there
-    (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``, on since this passed in session 14)."""
+    (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``, on since this passed on the H200)."""
     from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
 
     for lens in ([64, 1, 64, 33, 63, 64], [64] * 256):
@@ -266,7 +266,7 @@ def test_whole_blocks_in_slots_equal_fla_core():
 def test_chunk_server_step_in_slots_equals_gathered_states(whole_blocks):
     """The chunk server's step on CUDA (``gdn.bi_gdn_core``: boundary states read in their slots,
     ``gdn_chunk_decode.chunk_in_slots``) == the same step with the states gathered out of their slots and stored
-    back (the CPU path, and CUDA's before session 13), bit for bit: outputs, widened conv histories and every state slot. The
+    back (the CPU path, and CUDA's before the in-slot kernels), bit for bit: outputs, widened conv histories and every state slot. The
     step mixes decodes inside a block, at a boundary and completing a block, a new short prompt, a resumed
     prefill crossing a boundary and a new prompt of two blocks and more, from shuffled slots; with
     ``WHOLE_BLOCKS_IN_SLOTS`` on and off (the decodes that complete a block in the slots or gathered)."""

@@ -165,7 +165,7 @@ def test_triton_gemm_tiles_by_batch_size_keep_rows_equal(tmp_path, monkeypatch):
 def test_rotary_table_on_device_once_and_capturable():
     """The RoPE table is copied to the GPU once (same tensor on every call) with the host table's bits, and a
     rotation can be captured in a CUDA graph (a pageable host copy inside a capture raises; the served decode
-    graphs failed so in session 8) and replays to the eager bits."""
+    graphs failed so before the table was cached) and replays to the eager bits."""
     from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 
     host = rope_cos_sin_cache(64, 262144, 1e7)

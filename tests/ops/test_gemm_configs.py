@@ -153,7 +153,7 @@ def test_a_table_mixing_block_k_for_one_k_is_refused(tmp_path):
 
 
 def test_a_shipped_table_is_named_and_checked(monkeypatch):
-    """``VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b`` names the table tuned on the H200 in session 9 (shipped in the
+    """``VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b`` names the table tuned on the H200 (shipped in the
     package): it passes the file checks (one BLOCK_K per K, increasing buckets) and covers Qwen3.5-9B's six linear
     shapes; its digest is its file's. An unknown name is refused with the names there are."""
     assert "h200-qwen3.5-9b" in G.builtin_tables()

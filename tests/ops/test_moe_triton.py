@@ -117,7 +117,7 @@ OFFSETS = textwrap.dedent("""
 def test_a_rows_bits_do_not_depend_on_its_place_in_a_block(interpreted):
     """The last n tokens alone and in a batch of 40: each pair at another offset in its expert's block. The
     interpreter's fp32 ``tl.dot`` (numpy's matmul) gave a row other bits at another offset under numpy 2.3.5 /
-    OpenBLAS 0.3.30 (session 10: trainer != server for 16 of 128 tokens), so the kernel sums products per row."""
+    OpenBLAS 0.3.30 (trainer != server for 16 of 128 tokens), so the kernel sums products per row."""
     interpreted(OFFSETS)
 
 

@@ -1,4 +1,4 @@
-"""The RL loop against a real BI ``vllm serve`` (issue 4 acceptance, CPU, small Qwen3-Next).
+"""The RL loop against a real BI ``vllm serve`` (CPU, small Qwen3-Next).
 
 One server for the module (dev mode, for the weight-swap routes); each run pushes its own
 initial weights first, so runs do not see each other's updates.

@@ -1,10 +1,10 @@
 """The chunk-aligned mode's partial blocks (a decode step's rows since each request's last block boundary) with the
 boundary states read from their cache slots. The server's chunk-mode step on CUDA runs through
 :func:`chunk_in_slots`. Its GPU test (``tests/gpu/test_gdn_chunk_cuda.py::test_partial_blocks_in_slots_equal_fla_core``)
-showed that the partial-block kernel gives fla-core's bits (H200, session 13).
+showed that the partial-block kernel gives fla-core's bits on the H200.
 
-Why: at a 256-request decode the chunk mode's step costs 3.0× stock in GPU time (session 12,
-``docs/results/2026-12-01-h200-session12.md``). fla-core's state kernel, built for long sequences, takes 1.1 ms of
+Why: at a 256-request decode the chunk mode's step costs 3.0× stock in GPU time
+(``docs/results/2026-12-01-h200-gdn-decode-gpu-time.md``). fla-core's state kernel, built for long sequences, takes 1.1 ms of
 it: for a request's one partial block it writes ``h`` (the boundary state rounded to bf16), ``v_new`` and an fp32
 final state that the server throws away, and before it the server gathers the boundary states out of their slots
 (537 MB).
@@ -40,15 +40,15 @@ BV_STATE = 32  # fla-core's state kernel tile (pinned: BV 32, 4 warps, 4 stages)
 # program takes: ``group`` all value heads of a key head (else one), ``all_v`` every value tile (else one). None of
 # them changes a tile's arithmetic; benchmarks/decode_tiles.py checks each leaves the bits as they are before timing it.
 # ``all_v`` with 4 warps and 3 stages: 0.575 ms against 0.704 ms for partial_blocks_in_slots at 256 x 33 (the kernel
-# 0.42 -> 0.29 ms), same bits (session 15, docs/results/2026-12-01-h200-session15.md).
+# 0.42 -> 0.29 ms), same bits (docs/results/2026-12-01-h200-chunk-decode-targets.md).
 PARTIAL_LAUNCH = dict(num_warps=4, num_stages=3, group=False, all_v=True)
 # The block-state kernel's launch: fla-core's state kernel's pin (4 warps, 4 stages); benchmarks/decode_tiles.py checks
 # and times others.
 STATE_LAUNCH = dict(num_warps=4, num_stages=4)
 # Whether the server's step sends blocks that complete (64 rows) to the partial-block path, whose second kernel then
-# writes the state at the block's end. On since session 14, when its GPU test
+# writes the state at the block's end. On since its GPU test
 # (tests/gpu/test_gdn_chunk_cuda.py::test_whole_blocks_in_slots_equal_fla_core) showed fla-core's bits and the chunk
-# mode's parity suite passed with it (docs/results/2026-12-01-h200-session14.md).
+# mode's parity suite passed with it (docs/results/2026-12-01-h200-chunk-decode-ring-conv.md).
 WHOLE_BLOCKS_IN_SLOTS = True
 
 try:

@@ -134,7 +134,7 @@ class FLAGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, kind, q, k, v, g, beta, h0_kv, cu, scale):
         ctx.graph = None
         if kind == "chunk" and any(ctx.needs_input_grad[1:7]):
-            with torch.enable_grad():  # no recompute in the backward (session 10: 1x4K training profile)
+            with torch.enable_grad():  # no recompute in the backward (measured on a 1x4K training profile)
                 leaves = [t.detach().requires_grad_(True) for t in (q, k, v, g, beta, h0_kv)]
                 o, ht = _FLA_FORWARDS[kind](*leaves, cu, scale)
             ctx.graph = (leaves, o, ht)
@@ -539,7 +539,7 @@ def gdn_varlen(
     Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``; with
     ``packed=True`` the outputs are one tensor ``[sum(e-s), HV, V]``, the sequences in order. Under autograd
     take the packed form: each per-sequence slice costs the backward a zero tensor of the whole output's size
-    (at 64 x 1K tokens that doubled a layer's training time, session 12).
+    (at 64 x 1K tokens that doubled a layer's training time on the H200).
 
     ``slots`` (CUDA, the server's step): ``states`` is then vLLM's whole state pool seen in fla-core's order
     ``[S, HV, K, V]`` fp32 and sequence ``j`` starts from slot ``slots[j]``; the returned states are None.

@@ -4,7 +4,7 @@ The recurrent mode (and the hybrid mode's decode steps) used to gather every sch
 out of vLLM's state cache, run fla-core's fused recurrent kernel on the copy, and store the final states back:
 three passes over the states where the kernel needs one. At Qwen3.5-9B dimensions a 256-request decode moves
 537 MB per pass, and the GPU time of a decode step per layer was 1.18 ms against stock vLLM's 0.75 ms
-(session 12, ``docs/results/2026-12-01-h200-session12.md``), while stock updates its slots in place.
+(``docs/results/2026-12-01-h200-gdn-decode-gpu-time.md``), while stock updates its slots in place.
 
 :func:`recurrent_in_slots` is one Triton kernel that does fla-core's fused recurrent arithmetic
 (``fla.ops.gated_delta_rule.fused_recurrent``, the trainer's forward) on each request's slot in place. For

@@ -16,7 +16,7 @@ Refused where a decode step still reads the host: the chunk GDN mode (its partia
 op (``VLLM_BI_ATTENTION=torch``: rows grouped on the host), MoE layers on the default loop path (experts grouped on
 the host; ``VLLM_BI_MOE=exact`` or ``triton`` groups them on the device), and vLLM's
 own kernels (``VLLM_BI_CUDA_OPS=vllm``). On the H200 the trainer reproduced such a server's every token (768/768
-on qwen3.5, 512/512 at 9b-dims; session 8, after the RoPE table's per-call host copy was removed); ``vllm-bi
+on qwen3.5, 512/512 at 9b-dims, after the RoPE table's per-call host copy was removed); ``vllm-bi
 parity`` names the server's CUDA-graph mode.
 """
 

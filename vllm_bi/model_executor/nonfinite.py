@@ -16,7 +16,8 @@ How, with what vLLM 0.32 already has (its ``VLLM_COMPUTE_NANS_IN_LOGITS`` accoun
 
 ``VLLM_BI_DEBUG_NONFINITE=1`` (``model_executor.gdn``) localises the first GDN layer with a non-finite value.
 
-The guard is on by default on CPU; on CUDA it is opt-in (``VLLM_BI_NONFINITE_GUARD=1``) until the GPU gate has run it.
+The guard is on by default on every device; ``VLLM_BI_NONFINITE_GUARD=0`` turns it off (vLLM then serves what the
+logits give).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ MESSAGE = ("vllm_bi: the server failed this request: under VLLM_BATCH_INVARIANT=
            "first GDN layer with one)")
 
 
-def guard_enabled(cuda: bool) -> bool:
-    """Whether the guard runs: ``VLLM_BI_NONFINITE_GUARD`` (``1``/``0``), by default on CPU and off on CUDA."""
+def guard_enabled() -> bool:
+    """Whether the guard runs: ``VLLM_BI_NONFINITE_GUARD`` (``1``/``0``), on by default (CPU and CUDA alike)."""
     value = os.environ.get(GUARD_ENV, "").strip().lower()
     if value in ("", "auto"):
-        return not cuda
+        return True
     if value in ("1", "on", "true"):
         return True
     if value in ("0", "off", "false"):
@@ -82,10 +83,10 @@ def _raise_if_error(self, finish_reason, request_id) -> None:
         raise GenerationError(MESSAGE)
 
 
-def apply_nonfinite_guard(patch, cuda: bool) -> bool:
+def apply_nonfinite_guard(patch) -> bool:
     """Install the guard (``patch(owner, name, new)`` records each change in the ledger) when
     :func:`guard_enabled`; returns whether it did."""
-    if not guard_enabled(cuda):
+    if not guard_enabled():
         return False
     os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"  # vLLM's per-request count, read when the runner starts
     from vllm.v1.core.sched.scheduler import Scheduler

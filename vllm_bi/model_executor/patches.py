@@ -76,8 +76,8 @@ softmax, RMSNorm, attention: vLLM's BI mode)    above marked CPU are not applied
 ``gpu_model_runner.count_nans_per_row``,        a NaN or +inf logit would be sampled and served (``nonfinite``).
 V2 ``sampler.get_num_nans``,                    -> vLLM's per-request NaN count (VLLM_COMPUTE_NANS_IN_LOGITS)
 ``Scheduler.update_from_output``,               counts +inf too; the scheduler fails such a request (error
-``GenerateBaseServing._raise_if_error``         status, HTTP 500 with a message), the others go on. CPU by
-                                                default; CUDA with VLLM_BI_NONFINITE_GUARD=1 until GPU-gated.
+``GenerateBaseServing._raise_if_error``         status, HTTP 500 with a message), the others go on. On by
+                                                default; VLLM_BI_NONFINITE_GUARD=0 turns it off.
 ==============================================  ===========================================================
 
 Removal: each entry goes when vLLM ships the equivalent (GDN BI upstream, CPU BI mode).
@@ -410,7 +410,7 @@ def _v1_runner_only(config) -> bool:
     """``VllmConfig.use_v2_model_runner`` in the hybrid GDN mode: always False. vLLM 0.32 picks its V2 model
     runner on CUDA (``vllm/v1/worker/gpu/``), and the hybrid mode's prompt lengths and graph guard are wired into
     the V1 runner (``GPUModelRunner``, which the CPU runner also is); on the H200 the V2 runner started without
-    them and the GDN metadata builder refused the step (session 10). An explicit V2 request is refused."""
+    them and the GDN metadata builder refused the step. An explicit V2 request is refused."""
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
         raise BatchInvarianceConfigError(
             "vllm_bi: VLLM_BI_GDN_MODE=hybrid runs on vLLM's V1 model runner only, and VLLM_USE_V2_MODEL_RUNNER=1 "
@@ -864,7 +864,7 @@ def apply_all() -> list[str]:
     _patch_worker_rpc()
     from vllm_bi.model_executor.nonfinite import apply_nonfinite_guard
 
-    apply_nonfinite_guard(_patch, current_platform.is_cuda())
+    apply_nonfinite_guard(_patch)
     if current_platform.is_cuda():
         from vllm_bi.model_executor.cuda import apply_cuda, apply_cuda_own_ops, own_ops_requested
 

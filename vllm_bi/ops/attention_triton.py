@@ -26,8 +26,8 @@ runs the same kernel, with a backward by PyTorch's attention (gradients need acc
 or ``triton`` everywhere. Server and trainer read it alike; their bits match only if they agree (the trainer checks
 the server's setting). The default is ``auto``: on the H200 the kernel is exact (alone == batched == split, trainer
 == server path), takes 0.5-4x SDPA's time against the torch op's 26-4600x, and served models through it gave the
-trainer's bits on every token (qwen3.5, qwen3.5-moe, 9b-dims, the chunk GDN mode, 4 RL steps at 0.0; session 8,
-``docs/results/2026-11-30-h200-session8.md``).
+trainer's bits on every token (qwen3.5, qwen3.5-moe, 9b-dims, the chunk GDN mode, 4 RL steps at 0.0;
+``docs/results/2026-11-30-h200-triton-attention-served.md``).
 
 On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products summed per row without
 ``tl.dot``: the interpreter's bf16 ``tl.dot`` is wrong, and its fp32 one is numpy's matmul, whose row results can
@@ -43,7 +43,7 @@ __all__ = ["ATTENTION_ENV", "BLOCK_M", "BLOCK_N", "attention_backend", "packed_a
            "rows_per_tile", "tiles_for"]
 
 ATTENTION_ENV = "VLLM_BI_ATTENTION"
-ATTENTION_DEFAULT = "auto"  # Triton on CUDA (served parity on the H200, session 8), the torch op on CPU
+ATTENTION_DEFAULT = "auto"  # Triton on CUDA (served parity on the H200), the torch op on CPU
 # part of the arithmetic: changing any of these changes bits (server and trainer must agree)
 BLOCK_M = 64  # matrix rows per program: query rows x (padded) query heads per KV head
 BLOCK_N = 32  # keys per step of the walk

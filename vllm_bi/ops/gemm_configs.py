@@ -13,8 +13,8 @@ leaves most of a GPU idle at small ``M`` and is 1.4-4.6x cuBLAS at Qwen3.5-9B's 
      "shapes": {"12288x4096": {"block_k": 64, "m_buckets": [[1, 16, 128, 8, 3], [4, ...], ...]}}}
 
 or names a table shipped with vllm_bi (``vllm_bi/ops/gemm_tiles/<name>.json``): ``h200-qwen3.5-9b`` holds Qwen3.5-9B's
-six linear shapes tuned on an H200 (session 9: 1.0-2.0x cuBLAS, rows equal in every batch size checked,
-``docs/results/2026-11-30-h200-session9.md``). In the file, ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
+six linear shapes tuned on an H200 (1.0-2.0x cuBLAS, rows equal in every batch size checked,
+``docs/results/2026-11-30-h200-gemm-tiles-and-fsdp2-9b.md``). In the file, ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
 bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward too: server and
 trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer refuses a
 server whose digest differs.

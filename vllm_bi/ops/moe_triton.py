@@ -30,7 +30,7 @@ Backward (the trainer): the loop path's autograd, recomputed (gradients need acc
 On CPU the kernel runs only under ``TRITON_INTERPRET=1`` (tests), with fp32 products summed per row without
 ``tl.dot``: the interpreter's bf16 ``tl.dot`` is wrong, and its fp32 one is numpy's matmul, whose row results
 depend on the row's place in the tile under some OpenBLAS builds (numpy 2.3.5 with OpenBLAS 0.3.30: all 16
-rows of a 16 x 64 x 64 product differed from the row alone), which broke trainer == server on CPU (session 10).
+rows of a 16 x 64 x 64 product differed from the row alone), which broke trainer == server on CPU.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def moe_backend(device: torch.device | str) -> str:
     """``VLLM_BI_MOE`` for tensors on ``device``: ``"loop"`` (a host loop over the routed experts, products by
     ``bi_linear``; the default off CUDA), ``"exact"`` (grouped float64 kernels, no host read: the loop's bits under
     the default float64 GEMM) or ``"triton"`` (grouped bf16 kernels, no host read, other bits; the default on CUDA:
-    1.7-4x stock's experts on the H200 where the loop took 10-143x, exact there, session 11)."""
+    1.7-4x stock's experts on the H200 where the loop took 10-143x, exact there,
+    ``docs/results/2026-11-30-h200-gdn-layer-targets-and-moe.md``)."""
     from vllm_bi.ops._choice import check_triton_device, env_choice
 
     dev_type = torch.device(device).type
@@ -110,7 +111,7 @@ def _kernel():
                     if EXACT or ROW_SUMS:
                         # products summed per row without tl.dot, in the accumulator's dtype. EXACT: bf16 products are
                         # exact in float64 (the loop path's float64 GEMM's arithmetic), and Triton 3.6 does not lower
-                        # a float64 tl.dot on the H200 ("fp64 don't support largeK MMA", session 10). ROW_SUMS:
+                        # a float64 tl.dot on the H200 ("fp64 don't support largeK MMA"). ROW_SUMS:
                         # Triton's CPU interpreter (module doc)
                         acc += tl.sum(a.to(acc.dtype)[:, :, None] * bt.to(acc.dtype)[None, :, :], axis=1)
                     else:
