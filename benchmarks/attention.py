@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from common import timed
 
+from vllm_bi.settings import reload as reload_settings
+
 H, HKV, D, BS = 16, 4, 256, 16
 ROWS = [("decode 1 x ctx 1K", 1, 1, 1024), ("decode 16 x ctx 1K", 16, 1, 1024), ("decode 256 x ctx 1K", 256, 1, 1024),
         ("decode 64 x ctx 4K", 64, 1, 4096), ("prefill 1 x 4K", 1, 4096, 4096), ("prefill 8 x 1K", 8, 1024, 1024),
@@ -56,6 +58,7 @@ def time_server(n_seqs, q_len, ctx, dev, reps, backend):
     from vllm_bi.model_executor.attention import bi_attn_forward
 
     os.environ["VLLM_BI_ATTENTION"] = backend
+    reload_settings()
     cache, q, md = paged(n_seqs, q_len, ctx, dev)
     out = torch.empty_like(q)
 

@@ -19,6 +19,7 @@ from common import emit, timed
 
 from vllm_bi.ops import linear
 from vllm_bi.ops.linear import bi_linear
+from vllm_bi.settings import reload as reload_settings
 
 SHAPES = [  # (name, K, N)
     ("qkv/o 4096x4096", 4096, 4096),
@@ -41,6 +42,7 @@ def main() -> None:
             "triton persistent (ms) | ratio |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     os.environ.pop("VLLM_BI_GEMM", None)  # bi_linear below is the default float64 GEMM
+    reload_settings()
     for name, K, N in SHAPES:
         w = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
         w64 = w.double()

@@ -52,6 +52,8 @@ import torch
 
 from common import gpu_ms, timed
 
+from vllm_bi.settings import reload as reload_settings
+
 H, HV, K, V, W = 16, 32, 128, 128, 4
 KEY, VAL = H * K, HV * V
 D = 2 * KEY + VAL
@@ -380,6 +382,7 @@ def time_layer(shape: Shape, mode: str, gemm: str, dev: str, reps: int) -> float
             return torch.mm(o.reshape(T_new, VAL), W_["out"].t())
         return timed(run, reps)
     os.environ["VLLM_BI_GEMM"] = gemm
+    reload_settings()
     conv_states = conv0[:, :, 1:].transpose(1, 2).contiguous()
     st_vk = st_kv.transpose(-1, -2).contiguous()
 
@@ -397,6 +400,7 @@ def time_layer(shape: Shape, mode: str, gemm: str, dev: str, reps: int) -> float
         return timed(run, reps)
     finally:
         os.environ.pop("VLLM_BI_GEMM", None)
+        reload_settings()
 
 
 def layer_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> None:

@@ -9,6 +9,43 @@ from vllm_bi.tiny_models import build_tiny_model
 MODEL_ROOT = os.environ.get("VLLM_BI_TEST_MODELS", os.path.join(os.path.dirname(__file__), "..", ".test_models"))
 
 
+class _SettingsMonkeyPatch(pytest.MonkeyPatch):
+    """pytest's ``monkeypatch`` that re-reads vllm_bi's settings (``vllm_bi.settings.reload``) whenever it changes a
+    ``VLLM_BI_`` variable and when it undoes its changes: the settings are read once per process, and a test that
+    sets a variable means the process's settings."""
+
+    def setenv(self, name, value, prepend=None):
+        super().setenv(name, value, prepend)
+        _reload_if(name)
+
+    def delenv(self, name, raising=True):
+        super().delenv(name, raising)
+        _reload_if(name)
+
+    def undo(self):
+        super().undo()
+        _reload_if("VLLM_BI_")
+
+
+def _reload_if(name: str) -> None:
+    if str(name).startswith("VLLM_BI_"):
+        from vllm_bi.settings import reload
+
+        try:
+            reload()
+        except ValueError:  # a test of a bad value: reading it again raises where the test expects it
+            import vllm_bi.settings as S
+
+            S._CURRENT = None
+
+
+@pytest.fixture
+def monkeypatch():
+    mp = _SettingsMonkeyPatch()
+    yield mp
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path():
     """``tiny_model_path(family)`` -> a built random-weight model directory (cached under .test_models/)."""

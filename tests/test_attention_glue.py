@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import vllm_bi.settings
 from vllm_bi.model_executor.attention import bi_attn_forward
 from vllm_bi.model_executor.cuda import _token_logprobs, own_ops_requested
 from vllm_bi.ops.attention import causal_attention
@@ -54,7 +55,7 @@ def test_cuda_ops_switch(monkeypatch):
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
     assert own_ops_requested() is False
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "fast")
-    with pytest.raises(ValueError, match="choose 'vllm_bi'"):
+    with pytest.raises(ValueError, match="VLLM_BI_CUDA_OPS='fast' is not a setting; use one of vllm_bi, vllm"):
         own_ops_requested()
 
 
@@ -71,6 +72,7 @@ GLUE_TRITON = """
 import os
 from types import SimpleNamespace
 import torch
+import vllm_bi.settings
 from vllm_bi.model_executor.attention import bi_attn_forward
 from vllm_bi.model_executor.models.hybrid import packed_causal_attention
 
@@ -105,6 +107,7 @@ def server(rows):  # rows: [(seq, first query position)]: one step; returns each
 trainer = {}
 for backend in ("triton", "torch"):
     os.environ["VLLM_BI_ATTENTION"] = backend
+    vllm_bi.settings.reload()
     trainer[backend] = packed_causal_attention(q, k, v, cu, D**-0.5)
     full = server([(0, 0), (1, 0)])
     assert torch.equal(torch.cat(full), trainer[backend]), backend          # trainer == server, each backend

@@ -4,17 +4,37 @@ from vllm_bi.cli import _cmd_info
 
 
 def test_info_prints_the_gemm_tiles_and_graph_settings(monkeypatch, capsys):
+    from vllm_bi.ops.gemm_configs import table_digest
+
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
     monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "decode")
     _cmd_info(None)
     out = capsys.readouterr().out
-    assert "gemm_tiles/h200-qwen3.5-9b.json" in out and "CUDA graphs (VLLM_BI_CUDA_GRAPHS): decode" in out
+    assert f"gemm_configs {table_digest()}" in out and "VLLM_BI_CUDA_GRAPHS = 'decode' (env)" in out
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "no-such-table")
     monkeypatch.delenv("VLLM_BI_CUDA_GRAPHS")
     _cmd_info(None)
     out = capsys.readouterr().out
-    assert "GEMM tiles (VLLM_BI_GEMM_CONFIGS): refused (" in out and "no-such-table" in out
-    assert "CUDA graphs (VLLM_BI_CUDA_GRAPHS): off" in out
+    assert "arithmetic on cpu: refused (" in out and "no-such-table" in out
+    assert "VLLM_BI_CUDA_GRAPHS = 'off' (default)" in out
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "fastest")
+    _cmd_info(None)
+    assert "settings: refused (VLLM_BI_GDN_MODE='fastest' is not a setting" in capsys.readouterr().out
+
+
+def test_info_prints_every_setting_and_the_arithmetic_dict(monkeypatch, capsys):
+    from vllm_bi.settings import SETTINGS, current
+
+    monkeypatch.setenv("VLLM_BI_PRESET", "fast")
+    monkeypatch.setenv("VLLM_BI_GEMM", "fp64")
+    _cmd_info(None)
+    out = capsys.readouterr().out
+    for spec in SETTINGS:
+        assert f"  {spec.env} = " in out, spec.env
+    assert "VLLM_BI_GEMM = 'fp64' (env)" in out and "VLLM_BI_GEMM_CONFIGS = 'h200-qwen3.5-9b' (preset)" in out
+    assert "VLLM_BI_GDN_MODE = 'recurrent' (default)" in out
+    cpu = ", ".join(f"{k} {v}" for k, v in current().arithmetic("cpu").items())
+    assert f"  arithmetic on cpu: {cpu}" in out
 
 
 def test_info_prints_the_gpu_gate_status(capsys):

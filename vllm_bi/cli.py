@@ -41,35 +41,28 @@ def _cmd_info(args) -> int:
             print(f"{dist} {version(dist)}")
         except Exception as e:  # noqa: BLE001
             print(f"{dist}: not found ({e})")
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-    from vllm_bi.model_executor.cuda import cuda_ops_mode
-    from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
-    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
-    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+    from vllm_bi.settings import SETTINGS, Settings
 
-    def on(backend, dev):
-        try:
-            return backend(dev)
-        except RuntimeError as e:  # triton on CPU without the interpreter: refused where it would run
-            return f"refused ({e})"
+    try:
+        settings = Settings.from_env()
+    except ValueError as e:  # a bad value: the server refuses it at start; say why here too
+        print(f"settings: refused ({e})")
+        settings = None
+    if settings is not None:
+        print("settings (VLLM_BI_*; env: set, preset: from VLLM_BI_PRESET, default):")
+        for spec in SETTINGS:
+            print(f"  {spec.env} = {getattr(settings, spec.name)!r} ({settings.source(spec.name)})")
+        for dev in ("cpu", "cuda"):
+            try:
+                arith = settings.arithmetic(dev)
+                from vllm_bi.ops.attention_triton import attention_backend
+                from vllm_bi.ops.moe_triton import moe_backend
 
-    print(f"GDN mode ({GDN_MODE_ENV}): {gdn_mode()}; CUDA op mode (VLLM_BI_CUDA_OPS): {cuda_ops_mode()}; "
-          f"GEMM mode ({GEMM_ENV}): {gemm_mode()}; attention op ({ATTENTION_ENV}): {on(attention_backend, 'cpu')} "
-          f"on CPU, {on(attention_backend, 'cuda')} on CUDA; MoE experts ({MOE_ENV}): {on(moe_backend, 'cpu')} on "
-          f"CPU, {on(moe_backend, 'cuda')} on CUDA")
-    from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, cuda_graphs_requested
-    from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, table_path
-
-    def setting(fn):
-        try:
-            return fn()
-        except ValueError as e:  # a bad value: the server refuses it at start; say why here too
-            return f"refused ({e})"
-
-    tiles = setting(table_path)
-    graphs = setting(cuda_graphs_requested)
-    print(f"GEMM tiles ({GEMM_CONFIGS_ENV}): {tiles or 'vLLM defaults'}; CUDA graphs ({GRAPHS_ENV}): "
-          f"{'decode' if graphs is True else 'off' if graphs is False else graphs}")
+                attention_backend(dev), moe_backend(dev)  # refuses Triton ops where they cannot run
+                arith = ", ".join(f"{k} {v}" for k, v in arith.items())
+            except (ValueError, RuntimeError) as e:
+                arith = f"refused ({e})"
+            print(f"  arithmetic on {dev}: {arith}")
     from vllm_bi.gpu_gate import load_record, status
 
     print(f"GPU gate: {status(load_record())[1]}")

@@ -39,6 +39,7 @@ CUDA_SOURCES = (
     "vllm_bi/ops/linear.py",
     "vllm_bi/ops/moe_triton.py",
     "vllm_bi/ops/reduce.py",
+    "vllm_bi/settings.py",
 )
 RECORD = os.path.join("docs", "results", "gpu-gate.json")
 MARK_OPEN, MARK_CLOSE = "<!-- gpu-gate -->", "<!-- /gpu-gate -->"

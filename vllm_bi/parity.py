@@ -134,42 +134,11 @@ class SettingsMismatch(RuntimeError):
 
 
 def settings_mismatch(info: dict) -> str | None:
-    """Why a trainer in this process cannot reproduce a server whose ``vllm_bi_info`` is ``info``; None if it can."""
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+    """Why a trainer in this process cannot reproduce a server whose ``vllm_bi_info`` is ``info``; None if it can
+    (:func:`vllm_bi.settings.describe_diff` of the two arithmetic dicts)."""
+    from vllm_bi.settings import current, describe_diff
 
-    if info.get("gdn_mode") != gdn_mode():
-        return (f"the server runs GDN mode {info.get('gdn_mode')!r}, this trainer {gdn_mode()!r}; set {GDN_MODE_ENV} "
-                "to the same value on both sides")
-    if info.get("gemm", "fp64") != gemm_mode():
-        return (f"the server's GEMMs run in mode {info.get('gemm')!r}, this trainer's in {gemm_mode()!r}; set "
-                f"{GEMM_ENV} to the same value on both sides")
-    if gemm_mode() == "triton" and "gemm_configs" in info:
-        from vllm_bi.ops.gemm_configs import GEMM_CONFIGS_ENV, table_digest
-
-        mine = table_digest()
-        if info["gemm_configs"] != mine:
-            return (f"the server's Triton GEMM tiles come from table {info['gemm_configs']!r}, this trainer's from "
-                    f"{mine!r}; set {GEMM_CONFIGS_ENV} to the same file on both sides")
-    if "attention" in info:
-        from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
-
-        mine = attention_backend(info.get("device", "cpu"))
-        if info["attention"] != mine:
-            return (f"the server's attention runs the {info['attention']} op, this trainer's the {mine} op on "
-                    f"{info.get('device', 'cpu')}; set {ATTENTION_ENV} to the same value on both sides")
-    if "moe" in info:
-        from vllm_bi.ops.moe_triton import MOE_ENV, moe_arithmetic, moe_backend
-
-        mine = moe_backend(info.get("device", "cpu"))
-        if moe_arithmetic(info["moe"], info.get("gemm", "fp64")) != moe_arithmetic(mine, gemm_mode()):
-            return (f"the server's MoE experts run the {info['moe']} path, this trainer's the {mine} path, which give "
-                    f"other bits; set {MOE_ENV} to the same value on both sides")
-    if info.get("ops", "vllm_bi") != "vllm_bi":
-        return (f"the server runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={info['ops']}): its "
-                "serving is batch-invariant, but the trainer's ops give other bits; restart it without "
-                "VLLM_BI_CUDA_OPS (default vllm_bi)")
-    return None
+    return describe_diff(info, current().arithmetic(info.get("device", "cpu")))
 
 
 def check_server_settings(client, log) -> dict | None:
@@ -276,12 +245,9 @@ def run_parity(
 
 def trainer_settings(device: str) -> str:
     """The settings that decide the trainer's bits, as one line (``vllm-bi parity``'s report)."""
-    from vllm_bi.attention.gdn_chunk import gdn_mode
-    from vllm_bi.ops.attention_triton import attention_backend
-    from vllm_bi.ops.gemm_configs import table_digest
-    from vllm_bi.ops.linear import gemm_mode
-    from vllm_bi.ops.moe_triton import moe_backend
+    from vllm_bi.settings import current
 
-    tiles = f" (tiles {table_digest()})" if gemm_mode() == "triton" else ""
-    return (f"GDN {gdn_mode()}, GEMM {gemm_mode()}{tiles}, attention {attention_backend(device)}, MoE experts "
-            f"{moe_backend(device)}, trainer on {device}")
+    a = current().arithmetic(device)
+    tiles = f" (tiles {a['gemm_configs']})" if a["gemm"] == "triton" else ""
+    return (f"GDN {a['gdn_mode']}, GEMM {a['gemm']}{tiles}, attention {a['attention']}, MoE experts {a['moe']}, "
+            f"trainer on {device}")

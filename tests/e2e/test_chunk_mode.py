@@ -104,7 +104,25 @@ def test_parity_cli_refuses_a_mode_mismatch(served):
     r = subprocess.run([exe, "parity", "--model", model, "--server", srv.url, "--n", "1", "--max-tokens", "4"],
                        capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 4, r.stdout + r.stderr[-2000:]  # settings differ
-    assert "GDN mode 'chunk'" in r.stderr and "VLLM_BI_GDN_MODE" in r.stderr
+    assert "GDN mode is 'chunk', this trainer's 'recurrent'" in r.stderr and "VLLM_BI_GDN_MODE" in r.stderr
+
+
+def test_the_trainer_refuses_this_server_in_another_mode(served, monkeypatch):
+    """The RL trainer's server check (real HTTP to this chunk-mode server) with one setting changed: a one-line
+    refusal naming the setting and both values; with the same setting it passes (control)."""
+    from vllm_bi.client import VllmClient
+    from vllm_bi.trainer.errors import TrainerError
+    from vllm_bi.trainer.server import check_server
+
+    model, srv, _, _, _ = served
+    client = VllmClient(srv.url, model)
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
+    with pytest.raises(TrainerError) as e:
+        check_server(client, verify_weights=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "GDN mode is 'chunk', this trainer's 'recurrent'" in msg and "VLLM_BI_GDN_MODE" in msg
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    check_server(client, verify_weights=False)
 
 
 def test_prefix_cache_hit_keeps_trainer_parity(served, monkeypatch):

@@ -24,7 +24,7 @@ def write(tmp_path, doc, name="t.json"):
 def test_install_puts_the_tiles_in_vllms_lookup(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, TABLE))
     saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS.get("hopper", {}))
     try:
         digest = G.install_gemm_configs()
@@ -48,14 +48,14 @@ def test_install_puts_the_tiles_in_vllms_lookup(tmp_path, monkeypatch):
 
 
 def test_digest_names_the_file_and_none_without_one(tmp_path, monkeypatch):
-    monkeypatch.delenv(G.GEMM_CONFIGS_ENV, raising=False)
+    monkeypatch.delenv("VLLM_BI_GEMM_CONFIGS", raising=False)
     assert G.table_digest() == "none" and G.install_gemm_configs() == "none"
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE, "a.json"))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, TABLE, "a.json"))
     a = G.table_digest()
     other = dict(TABLE, device="other")
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, other, "b.json"))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, other, "b.json"))
     assert G.table_digest() != a
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, str(tmp_path / "missing.json"))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="cannot read it"):
         G.table_digest()
 
@@ -80,9 +80,9 @@ def test_trainer_refuses_a_server_with_other_tiles(tmp_path, monkeypatch):
     from vllm_bi.parity import settings_mismatch
 
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, TABLE))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, TABLE))
     info = {"gdn_mode": "recurrent", "gemm": "triton", "ops": "vllm_bi", "gemm_configs": "none"}
-    assert G.GEMM_CONFIGS_ENV in settings_mismatch(info)
+    assert "VLLM_BI_GEMM_CONFIGS" in settings_mismatch(info)
     assert settings_mismatch(dict(info, gemm_configs=G.table_digest())) is None
 
 
@@ -128,7 +128,7 @@ def test_the_table_files_block_k_is_the_reference_for_its_k(tmp_path, monkeypatc
     C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
     doc = {"format": 1, "arch": "hopper", "device": "t", "command": "t",
            "shapes": {"4096x2048": {"block_k": 32, "m_buckets": [[1, 16, 64, 4, 3], [4096, 64, 64, 4, 3]]}}}
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, write(tmp_path, doc))
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, doc))
     saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"])
     try:
         G._installed.clear()
@@ -157,15 +157,15 @@ def test_a_shipped_table_is_named_and_checked(monkeypatch):
     package): it passes the file checks (one BLOCK_K per K, increasing buckets) and covers Qwen3.5-9B's six linear
     shapes; its digest is its file's. An unknown name is refused with the names there are."""
     assert "h200-qwen3.5-9b" in G.builtin_tables()
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, "h200-qwen3.5-9b")
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
     path = G.table_path()
     assert path == os.path.join(G.BUILTIN_DIR, "h200-qwen3.5-9b.json") and os.path.isfile(path)
     arch, shapes = G.load_table(path)
     assert arch == "hopper"
     assert set(shapes) == {(10240, 4096), (4096, 4096), (12288, 4096), (64, 4096), (24576, 4096), (4096, 12288)}
     digest = G.table_digest()
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, path)
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", path)
     assert G.table_digest() == digest
-    monkeypatch.setenv(G.GEMM_CONFIGS_ENV, "a100-nothing")
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "a100-nothing")
     with pytest.raises(ValueError, match=r"neither a table file .*\(h200-qwen3.5-9b\)"):
         G.table_digest()

@@ -20,7 +20,7 @@ def test_mode_switch(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
     assert gemm_mode() == "triton"
     monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
-    with pytest.raises(ValueError, match="choose 'fp64'"):
+    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cublas' is not a setting; use one of fp64, triton"):
         gemm_mode()
 
 

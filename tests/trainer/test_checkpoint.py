@@ -133,6 +133,33 @@ def test_old_format_and_other_config_are_refused(model_dir, tmp_path):
         load_checkpoint(str(old), p, cfg)
 
 
+def test_a_run_resumed_under_other_arithmetic_settings_is_refused(model_dir, tmp_path, monkeypatch):
+    """The checkpoint records the settings' arithmetic dict (``vllm_bi.settings``); resuming with one setting changed
+    is refused in one line naming it, both values and the fix; the same settings resume (control), and a checkpoint
+    of an older vllm_bi without the record resumes too."""
+    from vllm_bi.settings import current
+
+    monkeypatch.delenv("VLLM_BI_GDN_MODE", raising=False)
+    cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
+    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    save_checkpoint(str(tmp_path), p, 0, cfg)
+    meta_path = tmp_path / "checkpoint" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["settings"] == current().arithmetic("cpu") and meta["settings"]["gdn_mode"] == "recurrent"
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    with pytest.raises(TrainerError) as e:
+        load_checkpoint(str(tmp_path), p, cfg)
+    assert "\n" not in str(e.value)
+    assert "gdn_mode='recurrent', this process runs 'chunk': set VLLM_BI_GDN_MODE" in str(e.value)
+    assert "--resume false" in str(e.value)
+    monkeypatch.delenv("VLLM_BI_GDN_MODE")
+    assert load_checkpoint(str(tmp_path), p, cfg) == 0
+    del meta["settings"]  # an older checkpoint: nothing to compare
+    meta_path.write_text(json.dumps(meta))
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    assert load_checkpoint(str(tmp_path), p, cfg) == 0
+
+
 def test_two_fsdp2_processes_save_shards_and_one_process_resumes_them(model_dir, tmp_path):
     """2 gloo processes (FSDP2) step and save their shards; 1 process and 2 processes resume them, and both
     hold the same whole tensors as a 1-process run of the same steps (FSDP2 on gloo sums the same

@@ -64,6 +64,11 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
         assert r["bit_wise/frac_tokens_different"] == 0.0, r
         assert r["tokens/completion"] > 0
     assert read_metrics(str(tmp_path)) == json.loads(json.dumps(rows))
+    # one settings dict: the server's (vllm_bi_info), the run's first metrics row and its checkpoint agree
+    info = server.collective_rpc("vllm_bi_info")[0]
+    first = rows[0]["settings"]
+    assert first == {k: info[k] for k in first} and "settings" not in rows[1]
+    assert json.load(open(tmp_path / "checkpoint" / "meta.json"))["settings"] == first
     r = subprocess.run([sys.executable, "-m", "vllm_bi.cli", "plot", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     for name in ("reward.png", "logprob_diff.png", "throughput.png"):

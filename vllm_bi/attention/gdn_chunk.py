@@ -46,28 +46,20 @@ import torch
 from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, gdn_recurrent_varlen, heads_qk, index_on, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
+from vllm_bi.settings import current
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["CHUNK", "GDN_MODE_ENV", "GDN_MODES", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "gdn_hybrid_varlen",
+__all__ = ["CHUNK", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "gdn_hybrid_varlen",
            "hybrid_chunk_rows", "hybrid_switch", "pin_fla_chunk_configs"]
 
 CHUNK = 64
-GDN_MODE_ENV = "VLLM_BI_GDN_MODE"
-
-
-GDN_MODES = ("recurrent", "chunk", "hybrid")
 
 
 def gdn_mode() -> str:
     """``VLLM_BI_GDN_MODE``: ``recurrent`` (default), ``chunk`` or ``hybrid`` (a prompt's whole blocks in the
     chunk arithmetic, the rest in the recurrence: :func:`gdn_hybrid_varlen`). The server and the trainer must
-    run the same mode; both read it from here."""
-    import os
-
-    mode = os.environ.get(GDN_MODE_ENV, "recurrent").strip().lower() or "recurrent"
-    if mode not in GDN_MODES:
-        raise ValueError(f"{GDN_MODE_ENV}={mode!r}: choose 'recurrent' (default), 'chunk' or 'hybrid'")
-    return mode
+    run the same mode (:mod:`vllm_bi.settings`)."""
+    return current().gdn_mode
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -414,7 +406,7 @@ def pin_fla_chunk_configs() -> dict[str, str]:
         except (ImportError, AttributeError) as e:
             raise RuntimeError(
                 f"vllm_bi: the chunk-aligned GDN mode pins fla-core's {mod}.{name}, which this fla-core does "
-                f"not have ({e}); install fla-core==0.6.0 or use {GDN_MODE_ENV}=recurrent") from e
+                f"not have ({e}); install fla-core==0.6.0 or use VLLM_BI_GDN_MODE=recurrent") from e
         while not isinstance(kernel, Autotuner) and hasattr(kernel, "fn"):
             kernel = kernel.fn
         if not isinstance(kernel, Autotuner):
@@ -423,7 +415,7 @@ def pin_fla_chunk_configs() -> dict[str, str]:
         if cfg is None:
             raise RuntimeError(
                 f"vllm_bi: fla-core's {mod}.{name} has no config {want} (its configs: "
-                f"{[str(c) for c in kernel.configs]}); install fla-core==0.6.0 or use {GDN_MODE_ENV}=recurrent")
+                f"{[str(c) for c in kernel.configs]}); install fla-core==0.6.0 or use VLLM_BI_GDN_MODE=recurrent")
         kernel.configs = [cfg]
         kernel.cache.clear()
         pinned[name] = str(cfg)

@@ -58,9 +58,6 @@ def apply_cuda(patch, patched: list[str]) -> None:
 
 # --------------------------------------------------------------------------- the op library on CUDA (default)
 
-CUDA_OPS_ENV = "VLLM_BI_CUDA_OPS"
-
-
 def cuda_ops_mode() -> str:
     """``VLLM_BI_CUDA_OPS``: which kernels a CUDA server runs under batch invariance.
 
@@ -71,13 +68,9 @@ def cuda_ops_mode() -> str:
     on an H200, but the trainer cannot reproduce their bits (1/768 equal); ``vllm-bi parity`` and the RL
     trainer refuse such a server.
     """
-    import os
+    from vllm_bi.settings import current
 
-    value = os.environ.get(CUDA_OPS_ENV, "vllm_bi").strip().lower() or "vllm_bi"
-    if value not in ("vllm", "vllm_bi"):
-        raise ValueError(f"{CUDA_OPS_ENV}={value!r}: choose 'vllm_bi' (default: the trainer's ops) or 'vllm' "
-                         "(vLLM's own batch-invariant kernels: serving only, no trainer parity)")
-    return value
+    return current().cuda_ops
 
 
 def own_ops_requested() -> bool:

@@ -22,40 +22,16 @@ parity`` names the server's CUDA-graph mode.
 
 from __future__ import annotations
 
-import os
+from vllm_bi.settings import current
 
-__all__ = ["GRAPHS_ENV", "cuda_graphs_requested", "graph_blockers"]
-
-GRAPHS_ENV = "VLLM_BI_CUDA_GRAPHS"
+__all__ = ["cuda_graphs_requested", "graph_blockers"]
 
 
 def cuda_graphs_requested() -> bool:
     """``VLLM_BI_CUDA_GRAPHS``: ``decode`` captures decode steps; unset, ``0`` or ``off``: eager (default)."""
-    value = os.environ.get(GRAPHS_ENV, "").strip().lower()
-    if value in ("", "0", "off", "none"):
-        return False
-    if value == "decode":
-        return True
-    raise ValueError(f"{GRAPHS_ENV}={value!r}: use 'decode' (capture decode steps; experimental) or unset it")
+    return current().cuda_graphs == "decode"
 
 
 def graph_blockers(has_moe: bool) -> list[str]:
     """What in this process's settings (and the model) keeps a decode step from being captured; empty if none."""
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-    from vllm_bi.model_executor.cuda import own_ops_requested
-    from vllm_bi.ops.attention_triton import ATTENTION_ENV, attention_backend
-
-    why = []
-    if gdn_mode() == "chunk":
-        why.append(f"{GDN_MODE_ENV}=chunk (decode recomputes partial blocks planned on the host; use recurrent "
-                   "or hybrid)")
-    if attention_backend("cuda") != "triton":
-        why.append(f"{ATTENTION_ENV}={attention_backend('cuda')} (rows grouped on the host; use triton)")
-    if not own_ops_requested():
-        why.append("VLLM_BI_CUDA_OPS=vllm (vLLM's own kernels: not planned for capture here)")
-    if has_moe:
-        from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
-
-        if moe_backend("cuda") == "loop":
-            why.append(f"MoE layers with {MOE_ENV}=loop (experts grouped on the host; use exact or triton)")
-    return why
+    return current().graph_blockers(has_moe)

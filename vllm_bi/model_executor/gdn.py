@@ -160,9 +160,9 @@ def debug_nonfinite() -> bool:
     """``VLLM_BI_DEBUG_NONFINITE=1``: every GDN layer checks its inputs, outputs and state slots for NaN / inf and
     logs the first layer and requests where one appears (host reads in every layer: for finding a bad layer, not for
     serving)."""
-    import os
+    from vllm_bi.settings import current
 
-    return os.environ.get("VLLM_BI_DEBUG_NONFINITE", "").strip() == "1"
+    return current().debug_nonfinite
 
 
 def _check_finite(layer, where, plan, x, a, b, ssm_cache) -> None:

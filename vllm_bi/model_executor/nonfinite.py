@@ -27,11 +27,10 @@ import os
 
 import torch
 
-__all__ = ["GUARD_ENV", "guard_enabled", "count_nonfinite_per_row", "apply_nonfinite_guard"]
+__all__ = ["guard_enabled", "count_nonfinite_per_row", "apply_nonfinite_guard"]
 
 logger = logging.getLogger("vllm_bi")
 
-GUARD_ENV = "VLLM_BI_NONFINITE_GUARD"
 MESSAGE = ("vllm_bi: the server failed this request: under VLLM_BATCH_INVARIANT=1 a NaN or +inf logit fails its "
            "request instead of being served (the server log names the request; VLLM_BI_DEBUG_NONFINITE=1 names the "
            "first GDN layer with one)")
@@ -39,14 +38,9 @@ MESSAGE = ("vllm_bi: the server failed this request: under VLLM_BATCH_INVARIANT=
 
 def guard_enabled() -> bool:
     """Whether the guard runs: ``VLLM_BI_NONFINITE_GUARD`` (``1``/``0``), on by default (CPU and CUDA alike)."""
-    value = os.environ.get(GUARD_ENV, "").strip().lower()
-    if value in ("", "auto"):
-        return True
-    if value in ("1", "on", "true"):
-        return True
-    if value in ("0", "off", "false"):
-        return False
-    raise ValueError(f"vllm_bi: {GUARD_ENV}={value!r} is not a setting; use 1 (on) or 0 (off)")
+    from vllm_bi.settings import current
+
+    return current().nonfinite_guard
 
 
 def count_nonfinite_per_row(logits: torch.Tensor) -> torch.Tensor:
@@ -96,7 +90,7 @@ def apply_nonfinite_guard(patch) -> bool:
 
     if "encoder_cache_mismatch_reqs" not in inspect.getsource(Scheduler.update_from_output):
         raise RuntimeError("vllm_bi: this vLLM's scheduler has no channel to fail one request; the non-finite "
-                           f"guard needs vLLM 0.32 (or set {GUARD_ENV}=0)")
+                           f"guard needs vLLM 0.32 (or set VLLM_BI_NONFINITE_GUARD=0)")
     patch(gpu_model_runner, "count_nans_per_row", count_nonfinite_per_row,
           "vllm.v1.worker.gpu_model_runner.count_nans_per_row")
     try:  # the V2 model runner (CUDA) counts in its sampler

@@ -92,6 +92,7 @@ import os
 import torch
 
 from vllm_bi.attention.gdn_chunk import gdn_mode
+from vllm_bi.settings import current as current_settings
 
 __all__ = ["apply_all", "PATCHED", "BIGenerator"]
 
@@ -162,29 +163,28 @@ def _patch_engine_args() -> None:
                     "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
                     "measured with TRITON_ATTN on CUDA", chosen,
                 )
-        from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, cuda_graphs_requested
-
         try:
-            graphs = current_platform.is_cuda() and cuda_graphs_requested()
+            settings = current_settings()  # every VLLM_BI_* value checked once, here, at start-up
         except ValueError as e:
             raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+        graphs = current_platform.is_cuda() and settings.cuda_graphs == "decode"
         if graphs:
             if self.enforce_eager:
                 raise BatchInvarianceConfigError(
-                    f"vllm_bi: {GRAPHS_ENV}=decode captures decode steps, --enforce-eager forbids it; drop one")
+                    "vllm_bi: VLLM_BI_CUDA_GRAPHS=decode captures decode steps, --enforce-eager forbids it; drop one")
             from vllm.config.compilation import CompilationMode, CUDAGraphMode
 
             self.compilation_config.mode = CompilationMode.NONE  # no torch.compile: it would re-fuse the ops
             self.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-            logger.warning("vllm_bi: %s=decode: decode steps captured in CUDA graphs, prefills eager "
-                           "(experimental: check with `vllm-bi parity`)", GRAPHS_ENV)
-        elif current_platform.is_cpu() and os.environ.get(GRAPHS_ENV, "").strip():
-            logger.warning("vllm_bi: %s applies to CUDA only; ignored on CPU (eager)", GRAPHS_ENV)
+            logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS=decode: decode steps captured in CUDA graphs, prefills "
+                           "eager (experimental: check with `vllm-bi parity`)")
+        elif current_platform.is_cpu() and settings.cuda_graphs != "off":
+            logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS applies to CUDA only; ignored on CPU (eager)")
         elif current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
             logger.warning(
-                "vllm_bi: batch invariance on CUDA: eager mode (the BI glue plans steps on the host; %s=decode "
-                "captures decode steps, experimental)", GRAPHS_ENV
+                "vllm_bi: batch invariance on CUDA: eager mode (the BI glue plans steps on the host; "
+                "VLLM_BI_CUDA_GRAPHS=decode captures decode steps, experimental)"
             )
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
@@ -197,7 +197,6 @@ def _patch_engine_args() -> None:
     _patch(EngineArgs, "create_engine_config", create_engine_config)
 
 
-UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
 
 
 def _hybrid_prefix_caching(args) -> None:
@@ -205,46 +204,40 @@ def _hybrid_prefix_caching(args) -> None:
     there depends on its own request's prompt length, so a state cached by another request (a previous turn's
     generated tokens, run in the recurrence) is not the state this request would compute: a cache hit would
     change its bits."""
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-
     try:
-        hybrid = gdn_mode() == "hybrid"
+        hybrid = current_settings().gdn_mode == "hybrid"
     except ValueError as e:
         raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
     if not hybrid:
         return
     if args.enable_prefix_caching:
         raise BatchInvarianceConfigError(
-            f"vllm_bi: {GDN_MODE_ENV}=hybrid cannot share prefix-cache states between requests (a token's "
+            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid cannot share prefix-cache states between requests (a token's "
             "arithmetic depends on its request's prompt length); drop --enable-prefix-caching or use "
-            f"{GDN_MODE_ENV}=chunk or recurrent.")
+            f"VLLM_BI_GDN_MODE=chunk or recurrent.")
     args.enable_prefix_caching = False
-    logger.warning("vllm_bi: %s=hybrid: prefix caching off (a state cached by another request would have other "
-                   "bits)", GDN_MODE_ENV)
+    logger.warning("vllm_bi: VLLM_BI_GDN_MODE=hybrid: prefix caching off (a state cached by another request would "
+                   "have other bits)")
 
 
 def _refuse_hybrid_on_cuda(platform) -> None:
     """``VLLM_BI_GDN_MODE=hybrid`` on CUDA: refused. The GPU gate (``docs/results/gpu-gate.json``) measured the
     trainer's logprobs equal to the served ones on only 88-98% of tokens for prompts of 5-700 words (exact on CPU on
     the same prompts), so the mode does not deliver what batch invariance claims there."""
-    from vllm_bi.attention.gdn_chunk import GDN_MODE_ENV, gdn_mode
-
     if platform.is_cuda() and gdn_mode() == "hybrid":
         raise BatchInvarianceConfigError(
-            f"vllm_bi: {GDN_MODE_ENV}=hybrid is not exact on CUDA (the GPU gate measured 88-98% of tokens equal to "
-            f"the trainer's, docs/results/2026-12-02-h200-chunk-nan.md); use {GDN_MODE_ENV}=chunk (exact, the "
+            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid is not exact on CUDA (the GPU gate measured 88-98% of tokens equal to "
+            f"the trainer's, docs/results/2026-12-02-h200-chunk-nan.md); use VLLM_BI_GDN_MODE=chunk (exact, the "
             "fastest prefill) or recurrent.")
 
 
 def _check_graphs(config) -> None:
     """``VLLM_BI_CUDA_GRAPHS=decode``: refuse what a captured decode step cannot run (``cuda_graphs.py``)."""
-    from vllm_bi.model_executor.cuda_graphs import GRAPHS_ENV, graph_blockers
-
     has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
-    why = graph_blockers(has_moe)
+    why = current_settings().graph_blockers(has_moe)
     if why:
-        raise BatchInvarianceConfigError(f"vllm_bi: {GRAPHS_ENV}=decode cannot capture a decode step with "
-                                         f"{'; '.join(why)}. Change those or unset {GRAPHS_ENV}.")
+        raise BatchInvarianceConfigError("vllm_bi: VLLM_BI_CUDA_GRAPHS=decode cannot capture a decode step with "
+                                         f"{'; '.join(why)}. Change those or unset VLLM_BI_CUDA_GRAPHS.")
 
 
 def _check_op_settings(platform) -> None:
@@ -252,7 +245,7 @@ def _check_op_settings(platform) -> None:
     stops the server at start-up, not at its first request."""
     from vllm_bi.ops.attention_triton import attention_backend
     from vllm_bi.ops.gemm_configs import load_table, table_path
-    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+    from vllm_bi.ops.linear import gemm_mode
     from vllm_bi.ops.moe_triton import moe_backend
 
     try:
@@ -266,7 +259,7 @@ def _check_op_settings(platform) -> None:
     logger.info("vllm_bi: attention op %s (VLLM_BI_ATTENTION)", op)
     if tiles:
         logger.info("vllm_bi: Triton GEMM tiles for %d weight shapes (%s) from %s%s", len(shapes), arch, tiles,
-                    "" if gemm_mode() == "triton" else f"; unused: {GEMM_ENV} is not 'triton'")
+                    "" if gemm_mode() == "triton" else "; unused: VLLM_BI_GEMM is not 'triton'")
 
 
 def _check_parallelism(config, platform) -> None:
@@ -279,15 +272,15 @@ def _check_parallelism(config, platform) -> None:
     has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
     if tp == 1:
         return
-    if not platform.is_cpu() and os.environ.get(UNVERIFIED_TP_ENV) != "1":
+    if not platform.is_cpu() and not current_settings().allow_unverified_tp:
         from vllm_bi.model_executor.cuda import own_ops_requested
 
         if not own_ops_requested():  # vLLM's own kernels and NCCL's all-reduce order: never measured
             raise BatchInvarianceConfigError(
                 f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) on GPU is verified with vllm_bi's op "
                 "library only; unset VLLM_BI_CUDA_OPS (default vllm_bi) or use --tensor-parallel-size 1 "
-                f"({UNVERIFIED_TP_ENV}=1 runs it unverified, for measuring).")
-    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend
+                "(VLLM_BI_ALLOW_UNVERIFIED_TP=1 runs it unverified, for measuring).")
+    from vllm_bi.ops.moe_triton import moe_backend
 
     if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
         raise BatchInvarianceConfigError(
@@ -295,14 +288,14 @@ def _check_parallelism(config, platform) -> None:
             "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
     if has_moe and moe_backend("cuda" if platform.is_cuda() else "cpu") != "loop":
         raise BatchInvarianceConfigError(
-            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs {MOE_ENV}=loop (its "
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs VLLM_BI_MOE=loop (its "
             "exact partial sums); set it (the CPU default) or use --tensor-parallel-size 1.")
-    from vllm_bi.ops.linear import GEMM_ENV, gemm_mode
+    from vllm_bi.ops.linear import gemm_mode
 
     if gemm_mode() != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM
         raise BatchInvarianceConfigError(  # would be the Triton one: other bits
             f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) needs the exact float64 GEMM; unset "
-            f"{GEMM_ENV} (it is {gemm_mode()!r}) or use --tensor-parallel-size 1.")
+            f"VLLM_BI_GEMM (it is {gemm_mode()!r}) or use --tensor-parallel-size 1.")
     hf = config.model_config.hf_text_config
     gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
     uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}
@@ -811,24 +804,13 @@ def _worker_info(self) -> dict:
 
     from vllm.platforms import current_platform
 
-    ops = "vllm_bi"  # CPU: always the op library
-    if current_platform.is_cuda():
-        from vllm_bi.model_executor.cuda import cuda_ops_mode
-
-        ops = cuda_ops_mode()
-    from vllm_bi.ops.attention_triton import attention_backend
-    from vllm_bi.ops.gemm_configs import table_digest
-    from vllm_bi.ops.linear import gemm_mode
-
     device = "cuda" if current_platform.is_cuda() else "cpu"
     graphs = "NONE"  # CPU: no CUDA graphs, whatever the config says
     if device == "cuda":
         graphs = getattr(getattr(getattr(self, "vllm_config", None), "compilation_config", None), "cudagraph_mode", None)
-    from vllm_bi.ops.moe_triton import moe_backend
-
-    return {"vllm_bi": __version__, "gdn_mode": gdn_mode(), "chunk": CHUNK, "ops": ops, "gemm": gemm_mode(),
-            "device": device, "attention": attention_backend(device), "gemm_configs": table_digest(),
-            "moe": moe_backend(device), "cuda_graphs": str(getattr(graphs, "name", graphs))}
+    # the settings' arithmetic dict (vllm_bi.settings), and what else a trainer checks
+    return {"vllm_bi": __version__, **current_settings().arithmetic(device), "chunk": CHUNK, "device": device,
+            "cuda_graphs": str(getattr(graphs, "name", graphs))}
 
 
 def _patch_worker_rpc() -> None:
@@ -853,7 +835,7 @@ def apply_all() -> list[str]:
     # CUDA: serving parity measured on an H200 (docs/results/2026-11-29-h200-vllm-serving.md).
     # ROCm and XPU: never run; refused unless explicitly allowed.
     verified = cpu or current_platform.is_cuda()
-    if not verified and os.environ.get("VLLM_BI_ALLOW_UNVERIFIED_DEVICE") != "1":
+    if not verified and not current_settings().allow_unverified_device:
         raise RuntimeError(
             f"vllm_bi: batch invariance is implemented for the CPU and CUDA builds of vLLM; "
             f"the current platform is {current_platform.device_name!r}, which was never verified. "

@@ -1,17 +1,8 @@
-"""Reading an op's implementation choice from the environment (``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE``)."""
+"""Where an op's Triton implementation may run (the choice itself is a setting: :mod:`vllm_bi.settings`)."""
 
 from __future__ import annotations
 
 import os
-
-
-def env_choice(env: str, default: str, allowed: tuple[str, ...], hint: str) -> str:
-    """``env``'s value (lower case; ``default`` when unset or empty); a value not in ``allowed`` raises
-    ``ValueError`` with ``hint`` (what to use)."""
-    choice = os.environ.get(env, default).strip().lower() or default
-    if choice not in allowed:
-        raise ValueError(f"{env}={choice!r}: use {hint}")
-    return choice
 
 
 def check_triton_device(env: str, choice: str, dev_type: str) -> None:

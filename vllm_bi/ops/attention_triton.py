@@ -39,11 +39,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATTENTION_ENV", "BLOCK_M", "BLOCK_N", "attention_backend", "packed_attention", "paged_attention",
+__all__ = ["BLOCK_M", "BLOCK_N", "attention_backend", "packed_attention", "paged_attention",
            "rows_per_tile", "tiles_for"]
 
-ATTENTION_ENV = "VLLM_BI_ATTENTION"
-ATTENTION_DEFAULT = "auto"  # Triton on CUDA (served parity on the H200), the torch op on CPU
 # part of the arithmetic: changing any of these changes bits (server and trainer must agree)
 BLOCK_M = 64  # matrix rows per program: query rows x (padded) query heads per KV head
 BLOCK_N = 32  # keys per step of the walk
@@ -55,14 +53,12 @@ _KERNEL = None
 
 def attention_backend(device: torch.device | str) -> str:
     """``"triton"`` or ``"torch"`` for tensors on ``device``, from ``VLLM_BI_ATTENTION`` (auto, torch, triton)."""
-    from vllm_bi.ops._choice import check_triton_device, env_choice
+    from vllm_bi.ops._choice import check_triton_device
+    from vllm_bi.settings import current
 
-    choice = env_choice(ATTENTION_ENV, ATTENTION_DEFAULT, ("auto", "torch", "triton"),
-                        "auto (Triton on CUDA, torch on CPU), torch or triton")
     dev_type = torch.device(device).type
-    if choice == "auto":
-        return "triton" if dev_type == "cuda" else "torch"
-    check_triton_device(ATTENTION_ENV, choice, dev_type)
+    choice = current().attention_op(dev_type)  # auto: Triton on CUDA (served parity on the H200), torch on CPU
+    check_triton_device("VLLM_BI_ATTENTION", choice, dev_type)
     return choice
 
 

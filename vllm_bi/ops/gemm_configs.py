@@ -33,9 +33,8 @@ import hashlib
 import json
 import os
 
-__all__ = ["GEMM_CONFIGS_ENV", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
+__all__ = ["builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
 
-GEMM_CONFIGS_ENV = "VLLM_BI_GEMM_CONFIGS"
 _installed: dict[str, str] = {}  # path -> digest of the table installed in this process
 _user_shapes: set[tuple[int, int]] = set()  # (N, K) of the installed table file
 _reference: dict | None = None  # K -> the shape config every (N, K) product uses, for the current device table
@@ -52,14 +51,16 @@ def builtin_tables() -> list[str]:
 
 def table_path() -> str | None:
     """The table file ``VLLM_BI_GEMM_CONFIGS`` names (a path, or a shipped table's name), ``None`` when unset."""
-    value = os.environ.get(GEMM_CONFIGS_ENV, "").strip()
+    from vllm_bi.settings import current
+
+    value = current().gemm_configs
     if not value:
         return None
     if os.sep in value or value.endswith(".json") or os.path.exists(value):
         return value
     if value in builtin_tables():
         return os.path.join(BUILTIN_DIR, value + ".json")
-    raise ValueError(f"{GEMM_CONFIGS_ENV}={value}: neither a table file (a path, *.json) nor a table shipped with "
+    raise ValueError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped with "
                      f"vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
 
@@ -72,7 +73,7 @@ def table_digest() -> str:
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()[:16]
     except OSError as e:
-        raise ValueError(f"{GEMM_CONFIGS_ENV}={path}: cannot read it ({e}); fix the path or unset it") from None
+        raise ValueError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
 
 
 def _pow2(x) -> bool:
@@ -83,7 +84,7 @@ def load_table(path: str) -> tuple[str, dict[tuple[int, int], tuple[int, list[tu
     """Read and check a table file: ``(arch, {(N, K): (block_k, [(max_m, block_m, block_n, warps, stages)])})``.
     Raises ``ValueError`` naming the file and the bad entry."""
     def bad(why: str) -> ValueError:
-        return ValueError(f"{GEMM_CONFIGS_ENV}={path}: {why} (make the file with benchmarks/bi_gemm_tune.py)")
+        return ValueError(f"VLLM_BI_GEMM_CONFIGS={path}: {why} (make the file with benchmarks/bi_gemm_tune.py)")
 
     try:
         with open(path) as f:
@@ -140,7 +141,7 @@ def install_gemm_configs() -> str:
         shape_cls, m_cls = C._MatmulShapeConfig, C._MatmulMConfig
         tables = C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"{GEMM_CONFIGS_ENV}: this vLLM has no batch-invariant matmul config table ({e}); "
+        raise RuntimeError(f"VLLM_BI_GEMM_CONFIGS: this vLLM has no batch-invariant matmul config table ({e}); "
                            "vllm_bi supports vllm==0.32.0. Unset it.") from None
     arch, shapes = load_table(path)
     table = tables.setdefault(arch, {})

@@ -27,20 +27,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GEMM_ENV", "gemm_mode", "bi_linear", "bi_mm", "bi_bmm"]
-
-GEMM_ENV = "VLLM_BI_GEMM"
+__all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm"]
 
 
 def gemm_mode() -> str:
     """``VLLM_BI_GEMM``: ``fp64`` (default: exact float64 accumulation) or ``triton`` (CUDA bf16/fp16 GEMMs
-    through vLLM's batch-invariant persistent matmul; experimental). Server and trainer must agree."""
-    import os
+    through vLLM's batch-invariant persistent matmul; experimental). Server and trainer must agree
+    (:mod:`vllm_bi.settings`)."""
+    from vllm_bi.settings import current
 
-    mode = os.environ.get(GEMM_ENV, "fp64").strip().lower() or "fp64"
-    if mode not in ("fp64", "triton"):
-        raise ValueError(f"{GEMM_ENV}={mode!r}: choose 'fp64' (default, exact) or 'triton' (CUDA, experimental)")
-    return mode
+    return current().gemm
 
 
 class _PersistentLinear(torch.autograd.Function):

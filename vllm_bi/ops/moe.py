@@ -51,12 +51,12 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype, by the path
     ``VLLM_BI_MOE`` picks (module doc). ``sum_partials``: tensor parallelism, the loop path only."""
-    from vllm_bi.ops.moe_triton import MOE_ENV, moe_backend, moe_experts_triton
+    from vllm_bi.ops.moe_triton import moe_backend, moe_experts_triton
 
     mode = moe_backend(x.device)
     if mode != "loop":
         if sum_partials is not None:
-            raise NotImplementedError(f"vllm_bi: {MOE_ENV}={mode} with tensor parallelism: use {MOE_ENV}=loop")
+            raise NotImplementedError(f"vllm_bi: VLLM_BI_MOE={mode} with tensor parallelism: use VLLM_BI_MOE=loop")
         return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, mode == "exact")
     return moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, sum_partials)
 

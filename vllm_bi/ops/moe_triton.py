@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["MOE_ENV", "moe_arithmetic", "moe_backend", "moe_experts_triton", "grouped_linear", "pair_layout"]
+__all__ = ["moe_arithmetic", "moe_backend", "moe_experts_triton", "grouped_linear", "pair_layout"]
 
-MOE_ENV = "VLLM_BI_MOE"
 # part of the arithmetic: changing any of these changes bits (server and trainer must agree)
 BLOCK_M = 16  # (token, expert) pairs per program
 BLOCK_N = 64
@@ -58,14 +57,12 @@ def moe_backend(device: torch.device | str) -> str:
     the default float64 GEMM) or ``"triton"`` (grouped bf16 kernels, no host read, other bits; the default on CUDA:
     1.7-4x stock's experts on the H200 where the loop took 10-143x, exact there,
     ``docs/results/2026-11-30-h200-gdn-layer-targets-and-moe.md``)."""
-    from vllm_bi.ops._choice import check_triton_device, env_choice
+    from vllm_bi.ops._choice import check_triton_device
+    from vllm_bi.settings import current
 
     dev_type = torch.device(device).type
-    default = "triton" if dev_type == "cuda" else "loop"
-    choice = env_choice(MOE_ENV, default, ("loop", "exact", "triton"),
-                        f"loop, exact (grouped float64 kernels) or triton (grouped bf16 kernels; {default} is the "
-                        f"default on {dev_type})")
-    check_triton_device(MOE_ENV, "triton" if choice == "exact" else choice, dev_type)
+    choice = current().moe_path(dev_type)
+    check_triton_device("VLLM_BI_MOE", "triton" if choice == "exact" else choice, dev_type)
     return choice
 
 

@@ -30,6 +30,27 @@ def _ckpt_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoint")
 
 
+def run_settings(device) -> dict:
+    """The arithmetic settings this process runs on ``device`` (:meth:`vllm_bi.settings.Settings.arithmetic`): what a
+    checkpoint and ``metrics.jsonl`` record."""
+    from vllm_bi.settings import current
+
+    return current().arithmetic(str(device).split(":")[0])
+
+
+def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
+    """Refuse to resume a run under arithmetic settings other than its checkpoint's (its logprobs would change bits
+    mid-run). A checkpoint without settings (an older vllm_bi) is not checked."""
+    from vllm_bi.settings import ARITHMETIC_ENV, diff
+
+    rows = diff(saved or {}, now)
+    if rows:
+        key, a, b = rows[0]
+        raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={a!r}, this process runs {b!r}: set "
+                           f"{ARITHMETIC_ENV[key]} as the run had it, or use --resume false (or another --run-dir) to "
+                           "start over")
+
+
 def checkpoint_due(save_every: int, done: int, steps: int) -> bool:
     """Whether to checkpoint after ``done`` of ``steps`` steps: at 0, every ``save_every`` and at the end;
     never with ``save_every`` 0."""
@@ -59,7 +80,7 @@ def save_checkpoint(run_dir: str, policy: Policy, step: int, cfg: TrainerConfig)
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, os.path.join(path, "rng.pt"))
     meta = {"format": CHECKPOINT_FORMAT, "dir": name, "optim": with_optim, "step": step, "version": step,
             "data_position": step * cfg.prompts_per_step, "world_size": policy.dist.world,
-            "config": dataclasses.asdict(cfg), "time": time.time()}
+            "config": dataclasses.asdict(cfg), "settings": run_settings(policy.dist.device), "time": time.time()}
     with open(os.path.join(d, "meta.json.tmp"), "w") as f:
         json.dump(meta, f)
     os.replace(os.path.join(d, "meta.json.tmp"), os.path.join(d, "meta.json"))
@@ -95,6 +116,7 @@ def load_checkpoint(run_dir: str, policy: Policy, cfg: TrainerConfig) -> int | N
     meta = _read_meta(run_dir)
     if meta is None:
         return None
+    check_resume_settings(run_dir, meta.get("settings"), run_settings(policy.dist.device))
     old = meta["config"]
     for key in ("prompts_per_step", "group_size", "task", "seed", "model_family"):
         if old.get(key) != getattr(cfg, key):

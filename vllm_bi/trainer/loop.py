@@ -23,7 +23,7 @@ import torch
 
 from vllm_bi.client import ServerUnreachable, VllmClient
 from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
-from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, save_checkpoint
+from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, run_settings, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
 from vllm_bi.trainer.distributed import Dist
@@ -119,7 +119,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             save_checkpoint(cfg.run_dir, policy, 0, cfg)
             saved_at = 0
         if dist.main:
-            metrics = MetricsWriter(cfg.run_dir, start, cfg.tensorboard)
+            metrics = MetricsWriter(cfg.run_dir, start, cfg.tensorboard, run_settings(dist.device))
             log(f"{'resuming at' if resumed else 'starting'} step {start}/{cfg.steps}: {cfg.prompts_per_step} prompts "
                 f"x {cfg.group_size} samples, {cfg.algo}, max_staleness {cfg.max_staleness}, "
                 f"{dist.world} trainer process(es), server {client.url}")

@@ -20,7 +20,8 @@ def read_metrics(run_dir: str) -> list[dict]:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str, first_step: int, tensorboard: bool = True):
+    def __init__(self, run_dir: str, first_step: int, tensorboard: bool = True, settings: dict | None = None):
+        self.settings = settings  # recorded in this run's first row (vllm_bi.settings' arithmetic dict)
         self.path = os.path.join(run_dir, "metrics.jsonl")
         # A resumed run redoes the steps after its checkpoint: drop their old lines so every step appears once.
         kept = [r for r in read_metrics(run_dir) if r["step"] < first_step]
@@ -38,6 +39,8 @@ class MetricsWriter:
                                "(pip install tensorboard, or install vllm_bi with its [trainer] extra)")
 
     def write(self, row: dict) -> None:
+        if self.settings is not None:  # the run's first row (the caller's row too: what it returns is what is written)
+            row["settings"], self.settings = self.settings, None
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tb is not None:

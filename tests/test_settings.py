@@ -1,0 +1,149 @@
+"""vllm_bi's settings (``vllm_bi.settings``): the one reader of ``VLLM_BI_*``, its precedence (a set variable over
+the preset over the default), its dict form and the one diff that every consumer uses."""
+
+import ast
+import os
+
+import pytest
+
+from vllm_bi import settings as S
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ENV_READERS = {"get", "getenv", "pop", "setdefault", "__getitem__", "__contains__"}
+
+
+def env_reads(source: str) -> list[str]:
+    """Where ``source`` reads the environment for a ``VLLM_BI_`` name (or through a name we cannot see, a constant or
+    a helper's parameter), or defines a ``VLLM_BI_`` constant: ``"line: what"``."""
+    tree = ast.parse(source)
+    found = []
+
+    def is_environ(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+            isinstance(node, ast.Name) and node.id == "environ")
+
+    def key_bad(key) -> bool:  # a VLLM_BI_ literal, or anything that is not a literal (it may hold one)
+        if isinstance(key, ast.Constant):
+            return isinstance(key.value, str) and key.value.startswith("VLLM_BI_")
+        return True
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr in _ENV_READERS and is_environ(f.value) and f.attr != "pop":
+                if key_bad(node.args[0]):
+                    found.append(f"{node.lineno}: environ.{f.attr}({ast.unparse(node.args[0])})")
+            if isinstance(f, ast.Attribute) and f.attr == "getenv" and key_bad(node.args[0]):
+                found.append(f"{node.lineno}: getenv({ast.unparse(node.args[0])})")
+        if isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            if key_bad(node.slice):
+                found.append(f"{node.lineno}: environ[{ast.unparse(node.slice)}]")
+        if isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators) and key_bad(node.left):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str) and node.value.value.startswith("VLLM_BI_"):
+            found.append(f"{node.lineno}: constant {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_but_settings_reads_a_vllm_bi_variable():
+    bad = {}
+    for d, _, files in os.walk(os.path.join(ROOT, "vllm_bi")):
+        for f in files:
+            path = os.path.join(d, f)
+            rel = os.path.relpath(path, ROOT)
+            if not f.endswith(".py") or rel == os.path.join("vllm_bi", "settings.py"):
+                continue
+            with open(path) as fh:
+                hits = env_reads(fh.read())
+            if hits:
+                bad[rel] = hits
+    assert not bad, f"read VLLM_BI_* only in vllm_bi/settings.py (vllm_bi.settings.current()): {bad}"
+
+
+def test_the_check_catches_every_form_of_read():
+    """Control: each way of reading the environment that the rule forbids is found."""
+    for src in ('import os\nos.environ.get("VLLM_BI_GDN_MODE", "")',
+                'import os\nos.getenv("VLLM_BI_GEMM")',
+                'import os\nx = os.environ["VLLM_BI_MOE"]',
+                'import os\n"VLLM_BI_MOE" in os.environ',
+                'import os\nMODE_ENV = "VLLM_BI_GDN_MODE"',
+                'import os\ndef choice(env):\n    return os.environ.get(env, "auto")'):
+        assert env_reads(src), src
+    # and what stays allowed: other variables, writes, messages naming a variable
+    assert not env_reads('import os\nos.environ.get("RANK", "0")\nos.environ["X"] = "1"\n'
+                         'raise ValueError("set VLLM_BI_GEMM=fp64")')
+
+
+def test_precedence_env_over_preset_over_default():
+    assert S.Settings.from_env({}) == S.Settings()
+    fast = S.Settings.from_env({"VLLM_BI_PRESET": "fast"})
+    assert (fast.gemm, fast.gemm_configs, fast.cuda_graphs) == ("triton", "h200-qwen3.5-9b", "decode")
+    assert fast.source("gemm") == "preset" and fast.source("gdn_mode") == "default"
+    mixed = S.Settings.from_env({"VLLM_BI_PRESET": "fast", "VLLM_BI_GEMM": "fp64", "VLLM_BI_GDN_MODE": "chunk"})
+    assert (mixed.gemm, mixed.gdn_mode, mixed.gemm_configs) == ("fp64", "chunk", "h200-qwen3.5-9b")
+    assert mixed.source("gemm") == "env" and mixed.source("gemm_configs") == "preset"
+    # empty means unset; the graphs' old spellings of "off" still work
+    assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "", "VLLM_BI_NONFINITE_GUARD": ""}) == S.Settings()
+    for off in ("", "0", "none", "off", "OFF"):
+        assert S.Settings.from_env({"VLLM_BI_CUDA_GRAPHS": off}).cuda_graphs == "off"
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of recurrent, chunk, hybrid"),
+    ({"VLLM_BI_PRESET": "quick"}, "VLLM_BI_PRESET='quick' is not a setting; use one of portable, fast"),
+    ({"VLLM_BI_NONFINITE_GUARD": "maybe"}, "VLLM_BI_NONFINITE_GUARD='maybe' is not a setting; use 1 .on. or 0"),
+])
+def test_a_bad_value_is_one_line_naming_the_variable_and_the_choices(env, match):
+    with pytest.raises(ValueError, match=match) as e:
+        S.Settings.from_env(env)
+    assert "\n" not in str(e.value)
+
+
+def test_dict_round_trip():
+    s = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_NONFINITE_GUARD": "0", "VLLM_BI_MOE": "exact"})
+    d = s.to_dict()
+    assert d["gdn_mode"] == "chunk" and d["nonfinite_guard"] is False and set(d) == {x.name for x in S.SETTINGS}
+    back = S.Settings.from_dict(d)
+    assert back.to_dict() == d
+    with pytest.raises(ValueError, match="unknown settings gdn"):
+        S.Settings.from_dict({"gdn": "chunk"})
+
+
+def test_arithmetic_resolves_for_the_device_and_the_diff_names_what_differs():
+    s = S.Settings()
+    cpu, cuda = s.arithmetic("cpu"), s.arithmetic("cuda")
+    assert (cpu["attention"], cpu["moe"], cpu["ops"]) == ("torch", "loop", "vllm_bi")
+    assert (cuda["attention"], cuda["moe"]) == ("triton", "triton") and cpu["gemm_configs"] == "none"
+    assert S.diff(cpu, cpu) == [] and S.describe_diff(cpu, cpu) is None
+    other = dict(cpu, gdn_mode="chunk")
+    assert S.diff(other, cpu) == [("gdn_mode", "chunk", "recurrent")]
+    line = S.describe_diff(other, cpu)
+    assert line == ("the server's GDN mode is 'chunk', this trainer's 'recurrent'; set VLLM_BI_GDN_MODE to the same "
+                    "value on both sides")
+    # the MoE paths by their bits: the exact kernels give the loop's float64 bits under the float64 GEMM
+    assert S.diff(dict(cpu, moe="exact"), cpu) == []
+    assert S.diff(dict(cpu, moe="triton"), cpu) == [("moe", "triton", "loop")]
+    # the tile table counts only under the Triton GEMM
+    assert S.diff(dict(cpu, gemm_configs="abc"), cpu) == []
+    tri = dict(cpu, gemm="triton")
+    assert S.diff(dict(tri, gemm_configs="abc"), tri) == [("gemm_configs", "abc", "none")]
+    # a key an older server does not report is not compared
+    assert S.diff({"gdn_mode": "recurrent"}, cpu) == []
+
+
+def test_current_is_read_once_and_reload_rereads(monkeypatch):
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")  # the test suite's monkeypatch reloads the settings
+    assert S.current().gdn_mode == "chunk" and S.current() is S.current()
+    os.environ["VLLM_BI_GDN_MODE"] = "hybrid"  # a change behind the settings' back is not seen ...
+    try:
+        assert S.current().gdn_mode == "chunk"
+        assert S.reload().gdn_mode == "hybrid"  # ... until they are read again
+    finally:
+        monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
+
+
+def test_serving_docs_table_is_generated_from_the_settings():
+    with open(os.path.join(ROOT, "docs", "serving.md")) as f:
+        text = f.read()
+    assert S.settings_table() in text, "regenerate docs/serving.md's table: python -m vllm_bi.settings --table"

@@ -1,0 +1,297 @@
+"""vllm_bi's settings: the only code that reads the ``VLLM_BI_*`` environment variables.
+
+A :class:`Settings` is frozen and validated once. Every other module reads the process's instance through
+:func:`current` (cached; :func:`reload` re-reads the environment, for tests and tools that change it), never the
+environment.
+
+Precedence: a variable that is set wins over the preset ``VLLM_BI_PRESET`` names, and the preset over the default.
+Presets:
+
+- ``portable`` (the default): the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM
+  accumulation, eager decode);
+- ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
+  decode CUDA graphs); CUDA only.
+
+Two processes reproduce each other's bits when their :meth:`Settings.arithmetic` dicts agree (:func:`diff`): the
+resolved values that decide bits on a device (the auto choices made for that device, the GEMM tile table's digest),
+not the names a user typed. The server reports that dict (``vllm_bi_info``), and ``vllm-bi info``, ``vllm-bi
+parity``, the trainer's refusal of a mismatched server, its checkpoint metadata and ``metrics.jsonl`` use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["Settings", "SETTINGS", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
+           "settings_table"]
+
+PREFIX = "VLLM_BI_"
+_TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    name: str
+    default: object
+    choices: tuple | None  # None: free text; (True, False): a switch
+    doc: str
+
+    @property
+    def env(self) -> str:
+        return PREFIX + self.name.upper()
+
+
+SETTINGS = (
+    _Spec("preset", "portable", ("portable", "fast"), "a named set of the settings below (explicit variables win)"),
+    _Spec("gdn_mode", "recurrent", ("recurrent", "chunk", "hybrid"),
+          "GDN arithmetic: the recurrence, 64-row blocks (chunk), or a prompt's whole blocks in chunks (hybrid; refused on "
+          "CUDA); docs/gdn-modes.md"),
+    _Spec("cuda_ops", "vllm_bi", ("vllm_bi", "vllm"),
+          "CUDA kernels: the trainer's op library, or vLLM's own batch-invariant ones (serving only, no parity)"),
+    _Spec("gemm", "fp64", ("fp64", "triton"),
+          "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA)"),
+    _Spec("gemm_configs", "", None, "the Triton GEMM's tile table: a JSON file or a shipped table's name (h200-qwen3.5-9b); unset: vLLM's "
+          "tiles"),
+    _Spec("attention", "auto", ("auto", "torch", "triton"), "attention op: auto is Triton on CUDA, torch on CPU"),
+    _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
+          "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
+    _Spec("cuda_graphs", "off", ("off", "decode"), "decode: capture decode steps in CUDA graphs (CUDA)"),
+    _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
+    _Spec("debug_nonfinite", False, (True, False),
+          "every GDN layer checks its values and logs the first non-finite one (host reads: debugging only)"),
+    _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
+    _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+PRESETS = {
+    "portable": {},
+    "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
+}
+# the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
+ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
+                  "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION", "moe": "VLLM_BI_MOE"}
+_LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
+          "attention": "attention op", "moe": "MoE experts path"}
+# retired spellings of a value: one line naming the replacement
+_ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
+
+
+def _parse(spec: _Spec, raw: str, origin: str):
+    value = raw.strip()
+    if spec.choices == (True, False):
+        low = value.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{origin}={raw!r} is not a setting; use 1 (on) or 0 (off)")
+    if spec.choices is None:
+        return value
+    value = value.lower()
+    value = _ALIASES.get(spec.name, {}).get(value, value)
+    if value not in spec.choices:
+        raise ValueError(f"{origin}={raw!r} is not a setting; use one of {', '.join(spec.choices)} "
+                         f"(default {spec.default})")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One process's vllm_bi settings (validated; see the module doc)."""
+
+    preset: str = "portable"
+    gdn_mode: str = "recurrent"
+    cuda_ops: str = "vllm_bi"
+    gemm: str = "fp64"
+    gemm_configs: str = ""
+    attention: str = "auto"
+    moe: str = "auto"
+    cuda_graphs: str = "off"
+    nonfinite_guard: bool = True
+    debug_nonfinite: bool = False
+    allow_unverified_device: bool = False
+    allow_unverified_tp: bool = False
+    origin: tuple = ()  # (name, "env" | "preset") of every value that is not the default
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Settings":
+        """Read ``VLLM_BI_*`` from ``environ`` (default ``os.environ``). A bad value raises ``ValueError`` naming the
+        variable and what to use; so does an unknown ``VLLM_BI_`` variable that looks like a setting's misspelling."""
+        env = os.environ if environ is None else environ
+        values, origin = {}, []
+        raw = env.get(_BY_NAME["preset"].env, "").strip()
+        preset = _parse(_BY_NAME["preset"], raw, _BY_NAME["preset"].env) if raw else "portable"
+        values["preset"] = preset
+        for name, value in PRESETS[preset].items():
+            values[name] = value
+            origin.append((name, "preset"))
+        for spec in SETTINGS[1:]:
+            raw = env.get(spec.env)
+            # unset, empty or "auto": the preset's value or the default (the graphs' empty value meant off)
+            if raw is None or (raw.strip().lower() in ("", "auto") and spec.name != "cuda_graphs"
+                               and not (spec.choices and "auto" in spec.choices and raw.strip())):
+                continue
+            values[spec.name] = _parse(spec, raw, spec.env)
+            origin = [o for o in origin if o[0] != spec.name] + [(spec.name, "env")]
+        return cls(**values, origin=tuple(origin))
+
+    def to_dict(self) -> dict:
+        """Every setting by name (the form ``vllm-bi info`` prints)."""
+        return {s.name: getattr(self, s.name) for s in SETTINGS}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Settings":
+        unknown = sorted(set(d) - set(_BY_NAME))
+        if unknown:
+            raise ValueError(f"unknown settings {', '.join(unknown)}; known: {', '.join(_BY_NAME)}")
+        return cls(**{k: _parse(_BY_NAME[k], str(int(v)) if isinstance(v, bool) else str(v), k) for k, v in d.items()})
+
+    def source(self, name: str) -> str:
+        """Where ``name``'s value came from: ``env``, ``preset`` or ``default``."""
+        return dict(self.origin).get(name, "default")
+
+    # ------------------------------------------------------------------ resolved for a device
+    def attention_op(self, device: str) -> str:
+        """The attention op on ``device`` (``triton`` or ``torch``)."""
+        if self.attention == "auto":
+            return "triton" if device == "cuda" else "torch"
+        return self.attention
+
+    def moe_path(self, device: str) -> str:
+        """The MoE experts' path on ``device`` (``loop``, ``exact`` or ``triton``)."""
+        if self.moe == "auto":
+            return "triton" if device == "cuda" else "loop"
+        return self.moe
+
+    def ops(self, device: str) -> str:
+        """The op set a server on ``device`` runs (CPU: always the op library)."""
+        return self.cuda_ops if device == "cuda" else "vllm_bi"
+
+    def gemm_tiles(self) -> str:
+        """The Triton GEMM tile table's digest (``none``: vLLM's own)."""
+        from vllm_bi.ops.gemm_configs import table_digest
+
+        return table_digest()
+
+    def arithmetic(self, device: str) -> dict:
+        """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal
+        (:func:`diff`)."""
+        return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": self.gemm,
+                "gemm_configs": self.gemm_tiles(), "attention": self.attention_op(device),
+                "moe": self.moe_path(device)}
+
+    def graph_blockers(self, has_moe: bool) -> list[str]:
+        """What keeps a CUDA decode step from being captured under these settings (and a model with MoE layers or
+        not); empty if nothing does."""
+        why = []
+        if self.gdn_mode == "chunk":
+            why.append("VLLM_BI_GDN_MODE=chunk (decode recomputes partial blocks planned on the host; use recurrent "
+                       "or hybrid)")
+        if self.attention_op("cuda") != "triton":
+            why.append(f"VLLM_BI_ATTENTION={self.attention_op('cuda')} (rows grouped on the host; use triton)")
+        if self.cuda_ops != "vllm_bi":
+            why.append("VLLM_BI_CUDA_OPS=vllm (vLLM's own kernels: not planned for capture here)")
+        if has_moe and self.moe_path("cuda") == "loop":
+            why.append("MoE layers with VLLM_BI_MOE=loop (experts grouped on the host; use exact or triton)")
+        if why and self.source("cuda_graphs") == "preset":
+            why.append(f"(VLLM_BI_CUDA_GRAPHS=decode came from VLLM_BI_PRESET={self.preset}; set "
+                       "VLLM_BI_CUDA_GRAPHS=off to keep the preset's other settings)")
+        return why
+
+
+def _moe_bits(path: str, gemm: str) -> str:
+    """The exact grouped kernels and the loop under the float64 GEMM give the same bits."""
+    return "float64" if path == "exact" or (path == "loop" and gemm == "fp64") else f"{path}/{gemm}"
+
+
+def diff(server: dict, mine: dict) -> list[tuple[str, object, object]]:
+    """``(key, server's value, mine)`` for every arithmetic setting on which two :meth:`Settings.arithmetic` dicts
+    give other bits (an absent key, from an older vllm_bi, is not compared). The tile table counts only under the
+    Triton GEMM; the MoE paths by the bits they give."""
+    out = []
+    for key in ARITHMETIC_ENV:
+        if key not in server or key not in mine:
+            continue
+        a, b = server[key], mine[key]
+        if key == "gemm_configs" and mine.get("gemm") != "triton":
+            continue
+        if key == "moe":
+            if _moe_bits(a, server.get("gemm", "fp64")) == _moe_bits(b, mine.get("gemm", "fp64")):
+                continue
+        elif a == b:
+            continue
+        out.append((key, a, b))
+    return out
+
+
+def describe_diff(server: dict, mine: dict, theirs: str = "the server", ours: str = "this trainer") -> str | None:
+    """One line naming the first setting on which ``server`` and ``mine`` differ, both values and the fix; None if
+    they agree."""
+    rows = diff(server, mine)
+    if not rows:
+        return None
+    key, a, b = rows[0]
+    if key == "ops" and a != "vllm_bi":
+        return (f"{theirs} runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={a}): its serving is "
+                "batch-invariant, but the trainer's ops give other bits; restart it without VLLM_BI_CUDA_OPS "
+                "(default vllm_bi)")
+    more = f" (and {len(rows) - 1} more: {', '.join(r[0] for r in rows[1:])})" if len(rows) > 1 else ""
+    return (f"{theirs}'s {_LABEL[key]} is {a!r}, {ours}'s {b!r}{more}; set {ARITHMETIC_ENV[key]} to the same value "
+            "on both sides")
+
+
+def settings_table() -> str:
+    """The settings as a Markdown table (variable, default, values, what it does): ``docs/serving.md``'s."""
+    rows = ["| variable | default | values | what it does |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        values = "1, 0" if s.choices == (True, False) else ", ".join(s.choices) if s.choices else "text"
+        default = ("1" if s.default else "0") if isinstance(s.default, bool) else (s.default or "(unset)")
+        rows.append(f"| `{s.env}` | {default} | {values} | {s.doc} |")
+    return "\n".join(rows)
+
+
+_CURRENT: Settings | None = None
+
+
+def current() -> Settings:
+    """This process's settings (read from the environment once)."""
+    global _CURRENT
+    if _CURRENT is None:
+        _CURRENT = Settings.from_env()
+    return _CURRENT
+
+
+def reload() -> Settings:
+    """Re-read the environment (after a change to it) and return the new settings."""
+    global _CURRENT
+    _CURRENT = None
+    return current()
+
+
+def _main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m vllm_bi.settings", description="vllm_bi's settings table")
+    ap.add_argument("--write", metavar="MD", help="replace the table between the settings markers in this file")
+    args = ap.parse_args(argv)
+    table = settings_table()
+    if not args.write:
+        print(table)
+        return 0
+    with open(args.write) as f:
+        text = f.read()
+    if MARK_OPEN not in text or MARK_CLOSE not in text:
+        raise SystemExit(f"{args.write}: no {MARK_OPEN} ... {MARK_CLOSE} block to replace")
+    head, rest = text.split(MARK_OPEN, 1)
+    tail = rest.split(MARK_CLOSE, 1)[1]
+    with open(args.write, "w") as f:
+        f.write(f"{head}{MARK_OPEN}\n{table}\n{MARK_CLOSE}{tail}")
+    print(f"rewrote {args.write}")
+    return 0
+
+
+MARK_OPEN, MARK_CLOSE = "<!-- settings -->", "<!-- /settings -->"
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
