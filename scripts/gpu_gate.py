@@ -84,6 +84,41 @@ def versions() -> dict:
             "cuda": torch.version.cuda}
 
 
+def combine(base: str, jsonls: list[str], out: str) -> int:
+    """A gate split over device calls: ``base`` is the ``gpu-gate.json`` of one call, ``jsonls`` the ``gate.jsonl``
+    (one line per finished job) of others at the same CUDA sources (this checkout's). Writes ``gpu-gate.json`` with
+    every job of the matrix: a job no call finished counts as not as expected."""
+    from vllm_bi.gpu_gate import combined_hash, source_hashes
+
+    with open(base) as f:
+        record = json.load(f)
+    hashes = source_hashes(ROOT)
+    if record["sources_hash"] != combined_hash(hashes):
+        print(f"[gate] {base} ran other CUDA sources than this checkout's: nothing to combine", file=sys.stderr)
+        return 2
+    rows = {r["job"]: r for r in record["jobs"]}
+    for path in jsonls:
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec["job"] in rows:
+                    continue
+                rows[rec["job"]] = {"job": rec["job"], "env": rec["env"], "result": S._summary(rec),
+                                    "passed": bool(rec.get("passed")), "expect_pass": rec["expect_pass"],
+                                    "as_expected": bool(rec.get("passed")) == rec["expect_pass"] and "error" not in rec,
+                                    "tokens": rec.get("tokens"), "equal": rec.get("bitwise_equal"),
+                                    "seconds": rec.get("seconds")}
+    record["jobs"] = list(rows.values())
+    record["command"] = (f"{record['command']}; combined with the per-job results (gate.jsonl) of {len(jsonls)} "
+                         "earlier call(s) at the same sources: python3 scripts/gpu_gate.py --combine ...")
+    record["combined_from"] = len(jsonls) + 1
+    with open(os.path.join(out, "gpu-gate.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    n = sum(r["as_expected"] for r in record["jobs"])
+    print(f"[gate] combined: {n}/{len(record['jobs'])} as expected; sources {record['sources_hash'][:12]}")
+    return 0 if n == len(record["jobs"]) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -92,7 +127,11 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=int, default=330)
     ap.add_argument("--stagger", type=float, default=12.0, help="seconds between the first wave's job starts")
     ap.add_argument("--match", default=None, help="comma-separated substrings: only the jobs whose name holds one")
+    ap.add_argument("--combine", nargs="+", metavar="FILE", help="BASE.json JOBS.jsonl ...: write the record of a gate "
+                    "split over calls (the first call's gpu-gate.json, the other calls' gate.jsonl) to --out")
     args = ap.parse_args()
+    if args.combine:
+        return combine(args.combine[0], args.combine[1:], args.out)
     import torch
 
     from vllm_bi.gpu_gate import combined_hash, source_hashes

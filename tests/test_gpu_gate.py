@@ -81,3 +81,37 @@ def test_the_record_is_complete():
 def test_ci_prints_the_gate_status():
     with open(os.path.join(ROOT, "scripts", "test.sh")) as f:
         assert "vllm_bi.gpu_gate" in f.read()
+
+
+def test_a_gate_split_over_calls_is_combined_only_at_the_same_sources(tmp_path):
+    """``scripts/gpu_gate.py --combine``: one call's record plus another call's per-job lines make one record with
+    every job; a record of other sources is refused (exit 2, nothing written)."""
+    import json
+    import subprocess
+    import sys
+
+    from vllm_bi.gpu_gate import combined_hash, source_hashes
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hashes = source_hashes(root)
+    base = {"date": "2026-12-02", "device": "NVIDIA H200", "versions": {}, "command": "gate --match control",
+            "seconds": 1, "sources": hashes, "sources_hash": combined_hash(hashes),
+            "jobs": [{"job": "control", "result": "0/8 equal", "passed": False, "expect_pass": False,
+                      "as_expected": True}]}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    line = {"job": "qwen3.5 chunk default", "kind": "parity", "env": {}, "expect_pass": True, "passed": True,
+            "tokens": 8, "bitwise_equal": 8, "max_abs_diff": 0.0, "seconds": 2.0}
+    (tmp_path / "gate.jsonl").write_text(json.dumps(line) + "\n")
+    script = os.path.join(root, "scripts", "gpu_gate.py")
+    r = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--combine", str(tmp_path / "base.json"),
+                        str(tmp_path / "gate.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = json.loads((tmp_path / "gpu-gate.json").read_text())
+    assert [j["job"] for j in rec["jobs"]] == ["control", "qwen3.5 chunk default"]
+    assert rec["jobs"][1]["result"] == "8/8 equal, max |diff| 0" and rec["jobs"][1]["as_expected"]
+    (tmp_path / "gpu-gate.json").unlink()
+    base["sources_hash"] = "0" * 64  # control: another checkout's record
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    r = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--combine", str(tmp_path / "base.json"),
+                        str(tmp_path / "gate.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 2 and "other CUDA sources" in r.stderr and not (tmp_path / "gpu-gate.json").exists()
