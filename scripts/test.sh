@@ -9,8 +9,41 @@ bash scripts/install.sh
 .venv/bin/python -m vllm_bi.gpu_gate
 # The tiers: `bash scripts/test.sh -m "not server"` skips every test that starts a vLLM engine (minutes, not most
 # of an hour); CI runs everything.
-rm -f test-durations.txt
+rm -f test-durations.txt* test-durations.shard-*
 rc=0
-.venv/bin/python -m pytest tests -v "$@" || rc=$?
+if [ $# -gt 0 ]; then
+  .venv/bin/python -m pytest tests -v "$@" || rc=$?
+else
+  # The whole suite in two pytest processes at once: most of its time is vLLM engines starting and serving on one
+  # core, so two shards keep both cores busy. Shard A holds the serving, tensor-parallel and CLI modules, shard B
+  # the rest (about half the time each); the logs are printed one after the other when both are done.
+  A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
+     tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
+     tests/e2e/test_benchmarks.py)
+  B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
+  echo "running the suite in two shards (logs: test-shard-a.log, test-shard-b.log) ..."
+  tmp=$(mktemp -d)  # each shard its own pytest temp root: neither cleans up the other's folders
+  TEST_DURATIONS_FILE=test-durations.shard-a .venv/bin/python -m pytest "${A[@]}" -v --basetemp "$tmp/a" \
+    > test-shard-a.log 2>&1 &
+  pa=$!
+  TEST_DURATIONS_FILE=test-durations.shard-b .venv/bin/python -m pytest tests "${B[@]}" -v --basetemp "$tmp/b" \
+    > test-shard-b.log 2>&1 &
+  pb=$!
+  wait $pa || rc=$?
+  wait $pb || rc=$?
+  for s in a b; do echo "===== shard $s ====="; cat "test-shard-$s.log"; done
+  .venv/bin/python - <<'PY'
+import json, os, sys
+sys.path.insert(0, "tests")
+from conftest import write_durations
+merged = {}
+for s in ("a", "b"):
+    path = f"test-durations.shard-{s}.json"
+    if os.path.exists(path):
+        merged.update(json.load(open(path)))
+if merged:
+    write_durations(merged, "test-durations.txt")
+PY
+fi
 [ -f test-durations.txt ] && cat test-durations.txt
 exit $rc

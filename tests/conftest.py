@@ -107,13 +107,24 @@ def pytest_runtest_logreport(report):
     _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
-def pytest_sessionfinish(session, exitstatus):
-    if not _DURATIONS or hasattr(session.config, "workerinput"):
-        return
-    rows = sorted(_DURATIONS.items(), key=lambda kv: -kv[1])
-    total = sum(_DURATIONS.values())
-    path = os.path.join(os.path.dirname(__file__), "..", "test-durations.txt")
+def write_durations(durations: dict[str, float], path: str) -> None:
+    """The slowest 25 of ``durations`` (test id -> seconds) as text, and every entry as JSON beside it
+    (``PATH.json``, which scripts/test.sh merges when the suite runs in two shards)."""
+    import json
+
+    rows = sorted(durations.items(), key=lambda kv: -kv[1])
+    total = sum(durations.values())
     with open(path, "w") as f:
         f.write(f"{len(rows)} tests, {total:.0f} s of setup + call + teardown; the slowest 25:\n")
         for nodeid, secs in rows[:25]:
             f.write(f"{secs:8.1f} s  {nodeid}\n")
+    with open(path + ".json", "w") as f:
+        json.dump(durations, f)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _DURATIONS or hasattr(session.config, "workerinput"):
+        return
+    # a shard of scripts/test.sh names its own file
+    name = os.environ.get("TEST_DURATIONS_FILE", "test-durations.txt")
+    write_durations(_DURATIONS, os.path.join(os.path.dirname(__file__), "..", name))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import random
 from dataclasses import dataclass
 
@@ -226,7 +227,11 @@ def build_tiny_model(
             if json.load(f) == stamp:
                 return path
         raise FileExistsError(f"{path} holds a different tiny model; pass overwrite=True or another path")
-    os.makedirs(path, exist_ok=True)
+    # built in a folder of its own, then renamed into place: a process that finds the stamp finds a whole model,
+    # and two processes building the same model do not interleave their writes
+    final, path = path, f"{path.rstrip(os.sep)}.building-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
     tok = build_tokenizer(path, vocab_size=spec.vocab_size, seed=seed)
     if len(tok) > spec.vocab_size:
         raise RuntimeError(f"tokenizer has {len(tok)} tokens > vocab_size {spec.vocab_size}")
@@ -248,6 +253,19 @@ def build_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}, f)
-    with open(stamp_path, "w") as f:
+    with open(os.path.join(path, "vllm_bi_tiny.json"), "w") as f:
         json.dump(stamp, f)
-    return path
+    if overwrite:
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        os.rename(path, final)  # atomic; fails when another process put a model there first
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(stamp_path):
+            raise FileExistsError(f"{final} exists and holds no tiny model; pass overwrite=True (--overwrite) or "
+                                  "another path") from None
+        with open(stamp_path) as f:
+            if json.load(f) != stamp:
+                raise FileExistsError(f"{final} holds a different tiny model; pass overwrite=True or another "
+                                      "path") from None
+    return final
