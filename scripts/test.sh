@@ -14,19 +14,21 @@ rc=0
 if [ $# -gt 0 ]; then
   .venv/bin/python -m pytest tests -v "$@" || rc=$?
 else
-  # The whole suite in two pytest processes at once: most of its time is vLLM engines starting and serving on one
-  # core, so two shards keep both cores busy. Shard A holds the serving, tensor-parallel and CLI modules, shard B
-  # the rest (about half the time each); the logs are printed one after the other when both are done.
+  # The whole suite in two pytest processes at once: most of its time is vLLM engines starting and serving, and
+  # vLLM binds a CPU engine's compute threads to core 0 by default; so each shard's engines get a core of their own
+  # (VLLM_CPU_OMP_THREADS_BIND; the tensor-parallel test sets its two ranks' cores itself). Shard A holds the
+  # serving, tensor-parallel and CLI modules, shard B the rest (about half the time each); the logs are printed one
+  # after the other when both are done.
   A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
      tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
      tests/e2e/test_benchmarks.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
   echo "running the suite in two shards (logs: test-shard-a.log, test-shard-b.log) ..."
   tmp=$(mktemp -d)  # each shard its own pytest temp root: neither cleans up the other's folders
-  TEST_DURATIONS_FILE=test-durations.shard-a .venv/bin/python -m pytest "${A[@]}" -v --basetemp "$tmp/a" \
+  VLLM_CPU_OMP_THREADS_BIND=0 TEST_DURATIONS_FILE=test-durations.shard-a .venv/bin/python -m pytest "${A[@]}" -v --basetemp "$tmp/a" \
     > test-shard-a.log 2>&1 &
   pa=$!
-  TEST_DURATIONS_FILE=test-durations.shard-b .venv/bin/python -m pytest tests "${B[@]}" -v --basetemp "$tmp/b" \
+  VLLM_CPU_OMP_THREADS_BIND=1 TEST_DURATIONS_FILE=test-durations.shard-b .venv/bin/python -m pytest tests "${B[@]}" -v --basetemp "$tmp/b" \
     > test-shard-b.log 2>&1 &
   pb=$!
   wait $pa || rc=$?
