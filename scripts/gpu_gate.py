@@ -84,6 +84,14 @@ def versions() -> dict:
             "cuda": torch.version.cuda}
 
 
+def job_row(rec: dict, what: dict | None = None) -> dict:
+    """The record's row for one job's result (``gpu_suite.run_job``'s dict), with what the job covers."""
+    passed = bool(rec.get("passed"))
+    return {"job": rec["job"], **(what or {}), "env": rec["env"], "result": S._summary(rec), "passed": passed,
+            "expect_pass": rec["expect_pass"], "as_expected": passed == rec["expect_pass"] and "error" not in rec,
+            "tokens": rec.get("tokens"), "equal": rec.get("bitwise_equal"), "seconds": rec.get("seconds")}
+
+
 def combine(base: str, jsonls: list[str], out: str) -> int:
     """A gate split over device calls: ``base`` is the ``gpu-gate.json`` of one call, ``jsonls`` the ``gate.jsonl``
     (one line per finished job) of others at the same CUDA sources (this checkout's). Writes ``gpu-gate.json`` with
@@ -103,11 +111,7 @@ def combine(base: str, jsonls: list[str], out: str) -> int:
                 rec = json.loads(line)
                 if rec["job"] in rows:
                     continue
-                rows[rec["job"]] = {"job": rec["job"], "env": rec["env"], "result": S._summary(rec),
-                                    "passed": bool(rec.get("passed")), "expect_pass": rec["expect_pass"],
-                                    "as_expected": bool(rec.get("passed")) == rec["expect_pass"] and "error" not in rec,
-                                    "tokens": rec.get("tokens"), "equal": rec.get("bitwise_equal"),
-                                    "seconds": rec.get("seconds")}
+                rows[rec["job"]] = job_row(rec)
     record["jobs"] = list(rows.values())
     record["command"] = (f"{record['command']}; combined with the per-job results (gate.jsonl) of {len(jsonls)} "
                          "earlier call(s) at the same sources: python3 scripts/gpu_gate.py --combine ...")
@@ -156,12 +160,7 @@ def main() -> int:
     with ThreadPoolExecutor(args.parallel) as ex:
         recs = list(ex.map(run, enumerate(todo)))
     hashes = source_hashes(ROOT)
-    rows = []
-    for (job, what), rec in zip(todo, recs):
-        rows.append({"job": job.name, **what, "env": job.env, "result": S._summary(rec),
-                     "passed": bool(rec.get("passed")), "expect_pass": job.expect_pass,
-                     "as_expected": bool(rec.get("passed")) == job.expect_pass and "error" not in rec,
-                     "tokens": rec.get("tokens"), "equal": rec.get("bitwise_equal"), "seconds": rec.get("seconds")})
+    rows = [job_row(rec, what) for (_, what), rec in zip(todo, recs)]
     record = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "versions": versions(), "command": "python3 scripts/gpu_gate.py --out $OUT"
               + (f" --match {args.match}" if args.match else ""), "seconds": round(time.time() - t0),

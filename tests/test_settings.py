@@ -9,7 +9,7 @@ import pytest
 from vllm_bi import settings as S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ENV_READERS = {"get", "getenv", "pop", "setdefault", "__getitem__", "__contains__"}
+_ENV_READERS = {"get", "getenv", "setdefault", "__getitem__", "__contains__"}
 
 
 def env_reads(source: str) -> list[str]:
@@ -30,7 +30,7 @@ def env_reads(source: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args:
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr in _ENV_READERS and is_environ(f.value) and f.attr != "pop":
+            if isinstance(f, ast.Attribute) and f.attr in _ENV_READERS and is_environ(f.value):
                 if key_bad(node.args[0]):
                     found.append(f"{node.lineno}: environ.{f.attr}({ast.unparse(node.args[0])})")
             if isinstance(f, ast.Attribute) and f.attr == "getenv" and key_bad(node.args[0]):

@@ -52,12 +52,12 @@ def _cmd_info(args) -> int:
         print("settings (VLLM_BI_*; env: set, preset: from VLLM_BI_PRESET, default):")
         for spec in SETTINGS:
             print(f"  {spec.env} = {getattr(settings, spec.name)!r} ({settings.source(spec.name)})")
+        from vllm_bi.ops.attention_triton import attention_backend
+        from vllm_bi.ops.moe_triton import moe_backend
+
         for dev in ("cpu", "cuda"):
             try:
                 arith = settings.arithmetic(dev)
-                from vllm_bi.ops.attention_triton import attention_backend
-                from vllm_bi.ops.moe_triton import moe_backend
-
                 attention_backend(dev), moe_backend(dev)  # refuses Triton ops where they cannot run
                 arith = ", ".join(f"{k} {v}" for k, v in arith.items())
             except (ValueError, RuntimeError) as e:
