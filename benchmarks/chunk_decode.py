@@ -34,8 +34,8 @@ def _inputs(batch: int, rows: int, dev: str):
 
 
 def row(batch: int, rows: int, reps: int, dev: str = "cuda") -> str:
-    from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_varlen
-    from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
+    from vllm_bi.gdn.chunk import CHUNK, gdn_chunk_varlen
+    from vllm_bi.gdn.chunk_decode import partial_blocks_in_slots
 
     q, k, v, g, beta, pool, slots, cu = _inputs(batch, rows, dev)
 

@@ -65,7 +65,7 @@ def launch_rows(kernel: str, attr: str, settings: list[dict], batch: int, rows: 
     not)."""
     from chunk_decode import _inputs
 
-    from vllm_bi.attention import gdn_chunk_decode as CD
+    from vllm_bi.gdn import chunk_decode as CD
 
     q, k, v, g, beta, pool0, slots, cu = _inputs(batch, rows, dev)
     saved = dict(getattr(CD, attr))

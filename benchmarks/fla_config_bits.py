@@ -1,7 +1,7 @@
 """Probe: which configs of fla-core's autotuned chunked-GDN kernels change the bits of the chunk mode's output.
 
 The chunk-aligned mode pins every autotuned kernel of fla-core's chunked forward to one config
-(``vllm_bi.attention.gdn_chunk.FLA_CHUNK_PINS``), because a config can change a kernel's reduction order. If
+(``vllm_bi.gdn.chunk.FLA_CHUNK_PINS``), because a config can change a kernel's reduction order. If
 all configs of a kernel (or a class of them) give the same bits, that kernel could keep choosing among them per
 shape, for speed, without breaking batch invariance. For each pinned kernel, this script runs
 ``gdn_chunk_varlen`` (the chunk mode's CUDA path) with that kernel set to each of its own configs in turn,
@@ -52,7 +52,7 @@ def autotuners() -> dict:
     """{kernel name: (Autotuner, its full config list)}, read before the chunk mode pins them."""
     from triton.runtime.autotuner import Autotuner
 
-    from vllm_bi.attention.gdn_chunk import FLA_CHUNK_PINS
+    from vllm_bi.gdn.chunk import FLA_CHUNK_PINS
 
     out = {}
     for mod, name in FLA_CHUNK_PINS:
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=400, help="stop starting new configs after this many seconds")
     args = ap.parse_args()
-    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen, pin_fla_chunk_configs
+    from vllm_bi.gdn.chunk import gdn_chunk_varlen, pin_fla_chunk_configs
 
     t_start = time.time()
     tuners = autotuners()

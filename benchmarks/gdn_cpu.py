@@ -17,7 +17,7 @@ import torch
 
 from common import emit
 
-from vllm_bi.attention.gdn_recurrent import gdn_varlen
+from vllm_bi.gdn.layer import gdn_varlen
 
 DIMS = {"tiny (1/2 heads)": (1, 2), "wide (4/8 heads)": (4, 8)}
 K = V = 128

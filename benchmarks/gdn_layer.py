@@ -80,7 +80,7 @@ def stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, state0, decode:
     from fla.modules.causal_conv1d.ops import causal_conv1d
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    from vllm_bi.attention.gdn_recurrent import gdn_gating
+    from vllm_bi.gdn.recurrent import gdn_gating
 
     cu = _cu(lens, mixed.device)
     x, _ = causal_conv1d(mixed[None], conv_w, initial_state=conv0, output_final_state=True, activation="silu",
@@ -97,7 +97,7 @@ def stock_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv0, state0, decode:
 
 
 def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode="recurrent", packed=False):
-    from vllm_bi.attention.gdn_recurrent import gdn_varlen
+    from vllm_bi.gdn.layer import gdn_varlen
 
     ranges, s = [], 0
     for n in lens:
@@ -105,7 +105,7 @@ def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode
         s += n
     chunk_rows = None
     if mode == "hybrid":  # an RL sample: the first half of each sequence is its prompt (switch at its last boundary)
-        from vllm_bi.attention.gdn_chunk import hybrid_chunk_rows
+        from vllm_bi.gdn.chunk import hybrid_chunk_rows
 
         chunk_rows = [hybrid_chunk_rows(n // 2, 0, n) for n in lens]
     return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode,
@@ -113,8 +113,8 @@ def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode
 
 
 def bi_kernel(lens, q, k, v, g, beta, states, mode):
-    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
-    from vllm_bi.attention.gdn_recurrent import gdn_recurrent_varlen
+    from vllm_bi.gdn.chunk import gdn_chunk_varlen
+    from vllm_bi.gdn.recurrent import gdn_recurrent_varlen
 
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     fn = gdn_chunk_varlen if mode == "chunk" else gdn_recurrent_varlen
@@ -139,7 +139,7 @@ def _forward_inputs(lens, decode, dev):
 
 
 def _qkvgb(mixed, A_log, a, b, dt_bias):
-    from vllm_bi.attention.gdn_recurrent import gdn_gating
+    from vllm_bi.gdn.recurrent import gdn_gating
 
     T = mixed.shape[0]
     q = mixed[:, :KEY].reshape(T, H, K).contiguous()
@@ -179,7 +179,7 @@ def server_step(shape: Shape, mode: str, dev: str):
 
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.model_executor import gdn as G
 
     N, T = len(shape.lens), sum(shape.lens)
@@ -227,7 +227,7 @@ def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float
 def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, float | None, str]:
     """fwd+bwd milliseconds (wall, then GPU time: :func:`common.gpu_ms`) and the backward path; ``mode`` stock |
     recurrent | chunk | hybrid."""
-    from vllm_bi.attention import gdn_recurrent as gr
+    from vllm_bi.gdn import recurrent as gr
 
     N = len(lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(lens, dev, grad=True)
@@ -261,7 +261,7 @@ def _autotuned() -> str:
 
     from triton.runtime.autotuner import Autotuner
 
-    from vllm_bi.attention.gdn_chunk import FLA_CHUNK_PINS
+    from vllm_bi.gdn.chunk import FLA_CHUNK_PINS
 
     out = []
     for mod, name in FLA_CHUNK_PINS:
@@ -417,7 +417,7 @@ def layer_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> None:
 
 
 def _configs(rep: Report, tuned: str) -> None:
-    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
+    from vllm_bi.gdn.chunk import pin_fla_chunk_configs
 
     rep.add("", "fla-core configs autotuning picked for the stock runs:", tuned, "", "configs the chunk mode pins:",
             *[f"- {k}: {v}" for k, v in pin_fla_chunk_configs().items()], "")

@@ -27,8 +27,8 @@ import torch
 from common import timed
 from gdn_layer import D, H, HV, K, KEY, V, W, _inputs, stock_core
 
-from vllm_bi.attention import gdn_recurrent as gr
-from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
+from vllm_bi.gdn import recurrent as gr
+from vllm_bi.gdn.chunk import gdn_chunk_varlen
 
 
 def _ranges(lens):

@@ -25,7 +25,7 @@ from gdn_layer import H, HV, K, V
 
 def stages(q, k, v, g, beta, pool, slots, lens: list[int]) -> dict[str, torch.Tensor]:
     """The decode pipeline's intermediate rows (packed) for blocks of ``lens`` rows."""
-    from vllm_bi.attention.gdn_chunk_decode import block_intermediates, partial_block_outputs
+    from vllm_bi.gdn.chunk_decode import block_intermediates, partial_block_outputs
 
     cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
     qn, kn, gc, w, u, cu_t = block_intermediates(q, k, v, g, beta, cu)

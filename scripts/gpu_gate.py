@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_suite as S  # noqa: E402
 
-# the hybrid mode is refused on CUDA (``patches._refuse_hybrid_on_cuda``) since this gate measured it inexact there;
+# the hybrid mode is refused on CUDA (``patch.engine_config._refuse_hybrid_on_cuda``) since this gate measured it inexact there;
 # add it back with its fix
 MODES = ("recurrent", "chunk")
 FAST = {"gemm": "triton", "tiles": "h200-qwen3.5-9b", "graphs": "decode"}

@@ -4,9 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # Reinstall the working tree's vllm_bi (vLLM's worker processes import the installed copy).
+rm -rf build  # setuptools keeps removed modules in build/lib and would install them again
 .venv/bin/pip install -q --no-deps --force-reinstall .
 # Whether the CUDA sources are the ones the last GPU gate ran (CI cannot run them: no GPU there)
 .venv/bin/python -m vllm_bi.gpu_gate
+# The package's layering and acyclicity (import-linter contracts in pyproject.toml)
+.venv/bin/lint-imports
 # The tiers: `bash scripts/test.sh -m "not server"` skips every test that starts a vLLM engine (minutes, not most
 # of an hour); CI runs everything.
 rm -f test-durations.txt* test-durations.shard-*
@@ -21,7 +24,7 @@ else
   # after the other when both are done.
   A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
      tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
-     tests/e2e/test_benchmarks.py)
+     tests/e2e/test_benchmarks.py tests/test_patch_ledger.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
   echo "running the suite in two shards (logs: test-shard-a.log, test-shard-b.log) ..."
   tmp=$(mktemp -d)  # each shard its own pytest temp root: neither cleans up the other's folders

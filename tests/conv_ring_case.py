@@ -7,7 +7,7 @@ import torch
 
 
 def check_ring_conv(device: str) -> None:
-    from vllm_bi.attention.gdn_recurrent import RingRows
+    from vllm_bi.gdn.layer import RingRows
     from vllm_bi.ops.conv import BLOCK_D, ring_causal_conv1d, triton_causal_conv1d
 
     g = torch.Generator().manual_seed(0)

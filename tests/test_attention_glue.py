@@ -9,7 +9,8 @@ import torch
 
 import vllm_bi.settings
 from vllm_bi.model_executor.attention import bi_attn_forward
-from vllm_bi.model_executor.cuda import _token_logprobs, own_ops_requested
+from vllm_bi.patch.cuda_ops import token_logprobs
+from vllm_bi.settings import current as current_settings
 from vllm_bi.ops.attention import causal_attention
 from vllm_bi.ops.softmax import log_softmax
 
@@ -46,17 +47,17 @@ def test_paged_attention_glue_equals_the_op():
 def test_token_logprobs_is_the_op_library_log_softmax():
     logits = torch.randn(3, 1000).bfloat16()
     ids = torch.tensor([[5, 7], [999, 0], [1, 1]])
-    assert torch.equal(_token_logprobs(logits, ids), log_softmax(logits, -1, torch.float32).gather(1, ids))
+    assert torch.equal(token_logprobs(logits, ids), log_softmax(logits, -1, torch.float32).gather(1, ids))
 
 
 def test_cuda_ops_switch(monkeypatch):
     monkeypatch.delenv("VLLM_BI_CUDA_OPS", raising=False)
-    assert own_ops_requested() is True  # the default: the trainer's ops
+    assert current_settings().cuda_ops == "vllm_bi"  # the default: the trainer's ops
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
-    assert own_ops_requested() is False
+    assert current_settings().cuda_ops == "vllm"
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "fast")
     with pytest.raises(ValueError, match="VLLM_BI_CUDA_OPS='fast' is not a setting; use one of vllm_bi, vllm"):
-        own_ops_requested()
+        current_settings()
 
 
 def test_a_server_on_vllms_own_kernels_is_a_settings_mismatch():
@@ -74,7 +75,7 @@ from types import SimpleNamespace
 import torch
 import vllm_bi.settings
 from vllm_bi.model_executor.attention import bi_attn_forward
-from vllm_bi.model_executor.models.hybrid import packed_causal_attention
+from vllm_bi.models.qwen_gdn import packed_causal_attention
 
 g = torch.Generator().manual_seed(0)
 H, Hkv, D, bs = 4, 2, 64, 16

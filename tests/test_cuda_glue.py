@@ -1,8 +1,10 @@
-"""CUDA own-ops glue that can be checked on CPU (``model_executor/cuda.py``)."""
+"""CUDA own-ops glue that can be checked on CPU (``patch/cuda_ops.py``, applied from the ledger)."""
 
 import torch
 
-from vllm_bi.model_executor import cuda
+from vllm_bi.patch.ledger import LEDGER, apply_row
+
+INIT = next(p for p in LEDGER if p.target.endswith("Qwen3NextAttention.__init__"))
 
 
 def test_fused_qk_norm_rope_kernel_is_turned_off(monkeypatch):
@@ -20,10 +22,7 @@ def test_fused_qk_norm_rope_kernel_is_turned_off(monkeypatch):
     attn = Qwen3NextAttention(1, 2)
     assert attn.use_fused_qk_norm_rope_gate  # the control: unpatched, the fused kernel would run
 
-    cuda._no_fused_qk_norm_rope(lambda owner, name, new: monkeypatch.setattr(owner, name, new))
+    apply_row(INIT, monkeypatch.setattr)
     attn = Qwen3NextAttention(1, 2)
     assert attn.use_fused_qk_norm_rope_gate is False
     assert attn.args == (1, 2)  # the original __init__ still ran
-    wrapper = Qwen3NextAttention.__init__
-    cuda._no_fused_qk_norm_rope(lambda owner, name, new: monkeypatch.setattr(owner, name, new))
-    assert Qwen3NextAttention.__init__ is wrapper  # idempotent: not wrapped twice

@@ -1,4 +1,4 @@
-"""CUDA MoE glue (``model_executor/cuda_moe.py``) on CPU tensors: vLLM's own CUDA-path classes (the fused top-k
+"""CUDA MoE glue (``patch/cuda_moe.py``) on CPU tensors: vLLM's own CUDA-path classes (the fused top-k
 router, ``TritonExperts`` behind the no-DP/EP modular kernel, ``UnquantizedFusedMoEMethod.forward_native``,
 ``GateLinear.forward``) with the patches applied through ``monkeypatch`` (undone after each test), compared by
 exact equality with the trainer's ``SparseMoE`` / ``vllm_bi.ops.moe``; plus the refusals."""
@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_bi.model_executor import cuda_moe
+from vllm_bi.patch import cuda_moe
+from vllm_bi.patch.ledger import LEDGER, apply_row
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, softmax_topk
 
@@ -23,7 +24,9 @@ def patched(monkeypatch):
         monkeypatch.setattr(owner, name, new)
         done.append((owner.__name__, name))
 
-    cuda_moe.apply_cuda_moe(patch)
+    for row in LEDGER:  # the ledger's CUDA MoE rows
+        if row.new.startswith("vllm_bi.patch.cuda_moe:"):
+            apply_row(row, patch)
     return done
 
 
@@ -85,7 +88,7 @@ def _server_forward(x, gate, w13, w2, renormalize=True):
 
 
 def _trainer_moe(gate, w13, w2, renormalize=True):
-    from vllm_bi.model_executor.models.hybrid import SparseMoE
+    from vllm_bi.models.qwen_gdn import SparseMoE
 
     c = SimpleNamespace(hidden_size=H, num_experts=E, num_experts_per_tok=K, norm_topk_prob=renormalize)
     m = SparseMoE(c, INTER, 0)

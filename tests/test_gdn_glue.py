@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from vllm_bi.attention.gdn_recurrent import gdn_sequence
+from vllm_bi.gdn.layer import gdn_sequence
 from vllm_bi.model_executor import gdn as G
 
 H, HV, K, V, W = 1, 2, 128, 128, 4
@@ -88,8 +88,8 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, p
     ``gdn.bi_gdn_core`` in ``mode``, from widened conv-state slots holding garbage (new requests must ignore
     it). One-token chunks of running requests are counted as decodes, as vLLM does. Returns each request's
     outputs and the trainer's call, ``gdn_varlen(mode=...)`` over the whole sequences from zero states."""
-    from vllm_bi.attention.gdn_chunk import CHUNK, hybrid_chunk_rows
-    from vllm_bi.attention.gdn_recurrent import gdn_varlen
+    from vllm_bi.gdn.chunk import CHUNK, hybrid_chunk_rows
+    from vllm_bi.gdn.layer import gdn_varlen
 
     R = CHUNK + W - 1
     n = len(total)
@@ -190,8 +190,8 @@ def test_chunk_glue_with_states_in_slots(dim_first, whole_blocks):
     block go to the partial-block path, and with ``WHOLE_BLOCKS_IN_SLOTS`` those that complete it too (their slot
     then gets the state at the block's end; no other slot is written there); the others' boundary states are
     gathered and stored."""
-    from vllm_bi.attention import gdn_chunk_decode as CD
-    from vllm_bi.attention.gdn_chunk import gdn_chunk_varlen
+    from vllm_bi.gdn import chunk_decode as CD
+    from vllm_bi.gdn.chunk import gdn_chunk_varlen
 
     calls = []
 
@@ -285,7 +285,7 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     a new request reads nothing (its conv state is the zero row); a prefill longer than R writes only its last R
     rows. The hybrid mode's shifted history rewrites all R rows of every request. A step of decodes fits in the
     ring at once: its new rows are written first, then the conv reads each block's rows there."""
-    from vllm_bi.attention.gdn_chunk import CHUNK
+    from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.model_executor.gdn import StepPlan, _chunk_index
 
     R = CHUNK + W - 1
@@ -404,7 +404,7 @@ def test_hybrid_decode_steps_take_the_device_plan_only_under_capture(monkeypatch
 def test_ring_rows_refuse_autograd():
     """The ring conv has no backward: a RingRows input with a weight that wants a gradient is refused by name,
     not run without one."""
-    from vllm_bi.attention.gdn_recurrent import RingRows, gdn_varlen
+    from vllm_bi.gdn.layer import RingRows, gdn_varlen
 
     ring = RingRows(torch.zeros(2, 7, 8), torch.full((4,), -1), torch.zeros(1, dtype=torch.long))
     weight = torch.zeros(8, 4, requires_grad=True)

@@ -33,7 +33,7 @@ def test_every_cuda_module_is_in_the_manifest():
     gone = [f for f in G.CUDA_SOURCES if not os.path.exists(os.path.join(ROOT, f))]
     assert not gone, f"CUDA_SOURCES lists files that do not exist: {gone}"
     # the rule finds the kernels it is meant to find (a pattern that matched nothing would pass the check above)
-    assert {"vllm_bi/attention/gdn_chunk_decode.py", "vllm_bi/ops/conv.py", "vllm_bi/model_executor/cuda.py"} <= cuda
+    assert {"vllm_bi/gdn/chunk_decode.py", "vllm_bi/ops/conv.py", "vllm_bi/patch/cuda_ops.py"} <= cuda
 
 
 def _record(**over):
@@ -52,7 +52,7 @@ def test_status_names_changed_sources_and_failed_jobs():
     hashes = dict(G.source_hashes(ROOT), **{"vllm_bi/ops/conv.py": "0" * 64})
     ok, line = G.status(_record(), hashes)
     assert not ok and "changed since the last GPU gate" in line and "vllm_bi/ops/conv.py" in line, line
-    ok, line = G.status(_record(jobs=[{"job": "qwen3.5 hybrid default", "as_expected": False}]))
+    ok, line = G.status(_record(jobs=[{"job": "qwen3.5 hybrid default", "as_expected": False}]), G.source_hashes(ROOT))
     assert not ok and "failed" in line and "qwen3.5 hybrid default" in line, line
     ok, line = G.status(None)
     assert not ok and "no GPU gate record" in line

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_bi.model_executor.patches import BatchInvarianceConfigError, _check_parallelism
+from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_parallelism
 
 UNVERIFIED_TP_ENV = "VLLM_BI_ALLOW_UNVERIFIED_TP"
 
@@ -70,7 +70,7 @@ def test_moe_triton_with_tp_refused(monkeypatch):
 
 
 def test_attention_op_setting_is_checked_at_engine_creation(monkeypatch):
-    from vllm_bi.model_executor.patches import _check_op_settings
+    from vllm_bi.patch.engine_config import _check_op_settings
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
@@ -84,7 +84,7 @@ def test_attention_op_setting_is_checked_at_engine_creation(monkeypatch):
 
 
 def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatch):
-    from vllm_bi.model_executor.patches import _check_op_settings
+    from vllm_bi.patch.engine_config import _check_op_settings
 
     monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
     bad = tmp_path / "tiles.json"
@@ -101,8 +101,14 @@ def test_a_bad_gemm_tile_table_stops_the_engine_at_creation(tmp_path, monkeypatc
 
 
 def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
-    from vllm_bi.model_executor.cuda_graphs import cuda_graphs_requested, graph_blockers
-    from vllm_bi.model_executor.patches import _check_graphs
+    from vllm_bi.patch.engine_config import _check_graphs
+    from vllm_bi.settings import current
+
+    def cuda_graphs_requested():
+        return current().cuda_graphs == "decode"
+
+    def graph_blockers(has_moe):
+        return current().graph_blockers(has_moe)
 
     for value, want in (("", False), ("off", False), ("0", False), ("decode", True), ("DECODE", True)):
         monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", value)
@@ -142,7 +148,8 @@ def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():
     generated tokens and vLLM's own capture calls pass through unchanged."""
     import numpy as np
 
-    from vllm_bi.model_executor.patches import _wrap_batch_execution, prompt_chunk_scheduled
+    from vllm_bi.patch.gdn_backend import prompt_chunk_scheduled
+    from vllm_bi.patch.gdn_backend import wrap_batch_execution as _wrap_batch_execution
 
     batch = SimpleNamespace(num_computed_tokens_cpu=np.array([140, 63, 70, 0]),
                                   num_prompt_tokens=np.array([140, 64, 70, 0]))
@@ -173,7 +180,7 @@ def test_hybrid_mode_pins_the_v1_model_runner(monkeypatch):
     ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused by name."""
     from vllm.config import VllmConfig
 
-    from vllm_bi.model_executor.patches import _v1_runner_only
+    from vllm_bi.patch.gdn_backend import _v1_runner_only
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     assert _v1_runner_only(SimpleNamespace()) is False

@@ -30,8 +30,8 @@ def test_plugin_changes_nothing_without_batch_invariance():
     code = (
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
         "from vllm.model_executor.layers.linear import UnquantizedLinearMethod as U\n"
-        "from vllm_bi.model_executor import patches\n"
-        "assert patches.PATCHED == [], patches.PATCHED\n"
+        "from vllm_bi.patch import applied\n"
+        "assert applied() == [], applied()\n"
         "assert U.apply.__module__ == 'vllm.model_executor.layers.linear', U.apply.__module__\n"
         "print('untouched')\n"
     )
@@ -44,10 +44,10 @@ def test_plugin_loads_through_vllm_and_reports_gdn_invariance():
         "from vllm.plugins import load_general_plugins; load_general_plugins()\n"
         "from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum as E\n"
         "from vllm.v1.attention.selector import _cached_get_mamba_attn_backend\n"
-        "from vllm_bi.model_executor import patches\n"
+        "from vllm_bi.patch import applied\n"
         "b = _cached_get_mamba_attn_backend(E.GDN_ATTN)\n"
         "assert b.__name__ == 'BIGDNAttentionBackend' and b.supports_batch_invariance()\n"
-        "print(len(patches.PATCHED))\n"
+        "print(len(applied()))\n"
     )
     r = _run(code, bi=True)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -113,7 +113,7 @@ def test_auto_state_cache_becomes_float32(tiny_model_path):
 
 
 def test_audit_refuses_unknown_layers():
-    from vllm_bi.model_executor.audit import UnsupportedLayerError, audit_model
+    from vllm_bi.patch.audit import UnsupportedLayerError, audit_model
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
     with pytest.raises(UnsupportedLayerError, match=r"0 \(Linear\), 1 \(LayerNorm\)"):

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
 FAMILIES = ["qwen3-next", "qwen3.5", "qwen3.5-moe"]
 
@@ -50,7 +50,7 @@ def test_gradients_match_float32_reference(family, tiny_model_path):
     path = tiny_model_path(family)
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (48,))
-    model = GDNHybridForCausalLM.from_pretrained(path)
+    model = QwenGDNForCausalLM.from_pretrained(path)
     loss = -model.token_logprobs(ids, [0, 48])[:-1].mean()
     loss.backward()
     ref, ref_loss = _hf_grads(path, ids)
@@ -74,7 +74,7 @@ def test_gradients_match_float32_reference(family, tiny_model_path):
 def test_unknown_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     with pytest.raises(ValueError, match="LlamaForCausalLM.*not supported"):
-        GDNHybridForCausalLM.from_pretrained(str(tmp_path))
+        QwenGDNForCausalLM.from_pretrained(str(tmp_path))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,13 +82,13 @@ def test_hf_checkpoint_round_trip(family, tiny_model_path, tmp_path):
     from safetensors.torch import load_file
 
     path = tiny_model_path(family)
-    model = GDNHybridForCausalLM.from_pretrained(path)
+    model = QwenGDNForCausalLM.from_pretrained(path)
     original = load_file(f"{path}/model.safetensors")
     exported = model.hf_state_dict()
     assert set(exported) == set(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
     out = model.save_pretrained(str(tmp_path / "export"), like=path)
-    again = GDNHybridForCausalLM.from_pretrained(out)
+    again = QwenGDNForCausalLM.from_pretrained(out)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     assert os.path.exists(f"{out}/tokenizer.json") and os.path.exists(f"{out}/config.json")
 
@@ -97,7 +97,7 @@ def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
     """The trainer's GDN layers take ``gdn_varlen``'s packed output. Per-sequence slices of it would each cost the
     backward a zero tensor of the whole output's size: at 64 x 1K tokens that doubled a layer's training time on the
     H200 (docs/results/2026-12-01-h200-gdn-decode-gpu-time.md)."""
-    from vllm_bi.model_executor.models import hybrid
+    from vllm_bi.models import qwen_gdn as hybrid
 
     calls = []
 
@@ -107,7 +107,7 @@ def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
 
     real = hybrid.gdn_varlen
     monkeypatch.setattr(hybrid, "gdn_varlen", recording)
-    model = GDNHybridForCausalLM.from_pretrained(tiny_model_path("qwen3.5"))
+    model = QwenGDNForCausalLM.from_pretrained(tiny_model_path("qwen3.5"))
     ids = torch.randint(3, 1000, (40,))
     (-model.token_logprobs(ids, [0, 13, 30, 40])[:-1].mean()).backward()
     assert calls and all(calls), f"gdn_varlen calls with packed={calls}"

@@ -4,7 +4,7 @@
 runs vLLM in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_BATCH_INVARIANT=1``) with forward hooks
 on every decoder layer and its sub-modules (input norm, mixer, post norm, MLP; the layer's output and
 residual), prefills one prompt with ``prompt_logprobs``, then runs the trainer model
-(:class:`~vllm_bi.model_executor.models.hybrid.GDNHybridForCausalLM`) on the same ids with the same hooks,
+(:class:`~vllm_bi.models.qwen_gdn.QwenGDNForCausalLM`) on the same ids with the same hooks,
 and compares each module's output exactly. The first row that differs is where to look.
 """
 
@@ -63,7 +63,7 @@ def layer_diff(model: str, trainer_model: str | None = None, prompt_len: int = 2
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     llm = LLM(model, enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=512, max_num_batched_tokens=512,
@@ -76,7 +76,7 @@ def layer_diff(model: str, trainer_model: str | None = None, prompt_len: int = 2
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
     served_lp = [d[ids[i + 1]].logprob for i, d in enumerate(out[0].prompt_logprobs[1:])]
-    tm = GDNHybridForCausalLM.from_pretrained(trainer_model or model).to(dev)
+    tm = QwenGDNForCausalLM.from_pretrained(trainer_model or model).to(dev)
     mine: dict = {}
     install_hooks(tm, mine)
     with torch.no_grad():

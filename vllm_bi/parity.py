@@ -3,7 +3,7 @@
 Samples completions from a batch-invariant vLLM server (one it starts, or one
 already running), sends them all at once so they share busy batches,
 recomputes every sampled token's logprob with the trainer-side model
-(:class:`vllm_bi.model_executor.models.hybrid.GDNHybridForCausalLM`), and
+(:class:`vllm_bi.models.qwen_gdn.QwenGDNForCausalLM`), and
 reports how many are bitwise equal. Exit status 0 only when all are.
 
 ``--trainer hf`` recomputes with HF transformers instead (bf16, fp32
@@ -34,7 +34,7 @@ DEFAULT_PROMPTS = [
 def load_prompts(path: str | None) -> list[str]:
     if path is None:
         return list(DEFAULT_PROMPTS)
-    from vllm_bi.trainer.data import read_jsonl
+    from vllm_bi.prompts import read_jsonl
 
     return [row["prompt"] for row in read_jsonl(path)]
 
@@ -108,9 +108,9 @@ def default_trainer_device() -> str:
 
 
 def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress, device: str):
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
-    return trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model_dir).to(device), completions, pack, progress)
+    return trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model_dir).to(device), completions, pack, progress)
 
 
 def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str = "cpu"):

@@ -3,7 +3,7 @@
 vLLM calls :func:`register` in every process it starts (API server, engine
 core, workers, the model-inspection subprocess), possibly more than once.
 With ``VLLM_BATCH_INVARIANT`` unset or 0 it does nothing at all. With it set,
-it checks the vLLM version and applies :mod:`vllm_bi.model_executor.patches`.
+it checks the vLLM version and applies :mod:`vllm_bi.patch` (its ledger).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def register() -> None:
     if _REGISTERED or not batch_invariant_requested():
         return
     check_vllm_version()
-    from vllm_bi.model_executor.patches import apply_all
+    from vllm_bi.patch import apply_all
 
     patched = apply_all()
     _REGISTERED = True

@@ -4,7 +4,8 @@ A :class:`Settings` is frozen and validated once. Every other module reads the p
 :func:`current` (cached; :func:`reload` re-reads the environment, for tests and tools that change it), never the
 environment.
 
-Precedence: a variable that is set wins over the preset ``VLLM_BI_PRESET`` names, and the preset over the default.
+Precedence: a variable that is set wins over a trainer config's ``[settings]`` section (:func:`apply_section`),
+the section over the preset ``VLLM_BI_PRESET`` names, and the preset over the default.
 Presets:
 
 - ``portable`` (the default): the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM
@@ -21,6 +22,7 @@ parity``, the trainer's refusal of a mismatched server, its checkpoint metadata 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 
 __all__ = ["Settings", "SETTINGS", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
@@ -112,7 +114,7 @@ class Settings:
     debug_nonfinite: bool = False
     allow_unverified_device: bool = False
     allow_unverified_tp: bool = False
-    origin: tuple = ()  # (name, "env" | "preset") of every value that is not the default
+    origin: tuple = ()  # (name, "env" | "config" | "preset") of every value that is not the default
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
@@ -133,7 +135,8 @@ class Settings:
                                and not (spec.choices and "auto" in spec.choices and raw.strip())):
                 continue
             values[spec.name] = _parse(spec, raw, spec.env)
-            origin = [o for o in origin if o[0] != spec.name] + [(spec.name, "env")]
+            origin = [o for o in origin if o[0] != spec.name] + [
+                (spec.name, "config" if _FROM_CONFIG.get(spec.env) == raw else "env")]
         return cls(**values, origin=tuple(origin))
 
     def to_dict(self) -> dict:
@@ -148,7 +151,7 @@ class Settings:
         return cls(**{k: _parse(_BY_NAME[k], str(int(v)) if isinstance(v, bool) else str(v), k) for k, v in d.items()})
 
     def source(self, name: str) -> str:
-        """Where ``name``'s value came from: ``env``, ``preset`` or ``default``."""
+        """Where ``name``'s value came from: ``env``, ``config``, ``preset`` or ``default``."""
         return dict(self.origin).get(name, "default")
 
     # ------------------------------------------------------------------ resolved for a device
@@ -168,11 +171,29 @@ class Settings:
         """The op set a server on ``device`` runs (CPU: always the op library)."""
         return self.cuda_ops if device == "cuda" else "vllm_bi"
 
-    def gemm_tiles(self) -> str:
-        """The Triton GEMM tile table's digest (``none``: vLLM's own)."""
-        from vllm_bi.ops.gemm_configs import table_digest
+    def gemm_table_path(self) -> str | None:
+        """The tile table file ``gemm_configs`` names (a path, or the name of a table shipped with vllm_bi in
+        ``vllm_bi/ops/gemm_tiles/``); ``None`` when unset."""
+        value = self.gemm_configs
+        if not value:
+            return None
+        if os.sep in value or value.endswith(".json") or os.path.exists(value):
+            return value
+        if value in builtin_tables():
+            return os.path.join(BUILTIN_GEMM_TABLES, value + ".json")
+        raise ValueError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped "
+                         f"with vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
-        return table_digest()
+    def gemm_tiles(self) -> str:
+        """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix."""
+        path = self.gemm_table_path()
+        if path is None:
+            return "none"
+        try:
+            with open(path, "rb") as f:
+                return hashlib.sha256(f.read()).hexdigest()[:16]
+        except OSError as e:
+            raise ValueError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
 
     def arithmetic(self, device: str) -> dict:
         """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal
@@ -198,6 +219,17 @@ class Settings:
             why.append(f"(VLLM_BI_CUDA_GRAPHS=decode came from VLLM_BI_PRESET={self.preset}; set "
                        "VLLM_BI_CUDA_GRAPHS=off to keep the preset's other settings)")
         return why
+
+
+BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")
+
+
+def builtin_tables() -> list[str]:
+    """Names of the GEMM tile tables shipped with vllm_bi (``VLLM_BI_GEMM_CONFIGS=<name>``)."""
+    try:
+        return sorted(f[:-5] for f in os.listdir(BUILTIN_GEMM_TABLES) if f.endswith(".json"))
+    except OSError:
+        return []
 
 
 def _moe_bits(path: str, gemm: str) -> str:
@@ -252,6 +284,35 @@ def settings_table() -> str:
 
 
 _CURRENT: Settings | None = None
+_FROM_CONFIG: dict[str, str] = {}  # variables set from a config section (apply_section), and their values
+
+
+def _raw(value) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+def apply_section(section: dict, source: str, environ=None) -> list[str]:
+    """A config file's ``[settings]`` section (keys: setting names, e.g. ``gdn_mode = "chunk"``) becomes this
+    process's settings, and those of the servers it starts: each value is set as its ``VLLM_BI_*`` variable unless
+    the environment already sets that variable, which wins (returned: the setting names the environment kept).
+    A bad name or value raises ``ValueError`` naming ``source``; nothing is set then."""
+    env = os.environ if environ is None else environ
+    parsed = {}
+    for name, value in section.items():
+        if name not in _BY_NAME:
+            raise ValueError(f"{source}: unknown setting {name!r}; known: {', '.join(_BY_NAME)}")
+        parsed[name] = _parse(_BY_NAME[name], _raw(value), f"{source} {name}")
+    kept = []
+    for name, value in parsed.items():
+        var = _BY_NAME[name].env
+        if env.get(var) is not None and _FROM_CONFIG.get(var) != env[var]:
+            kept.append(name)
+            continue
+        env[var] = _FROM_CONFIG[var] = _raw(value)
+    if environ is None:
+        reload()
+    return kept
+
 
 
 def current() -> Settings:

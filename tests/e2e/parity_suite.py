@@ -80,10 +80,10 @@ def check_p4(model_path: str, label: str, *results) -> int:
 
     Also: the trainer's result for a sequence is identical packed with 15 others or alone.
     """
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
-    model = GDNHybridForCausalLM.from_pretrained(model_path)
+    model = QwenGDNForCausalLM.from_pretrained(model_path)
     comps = _unique_completions(*results)
     got = trainer_logprobs(model, comps, pack=16)
     n = 0

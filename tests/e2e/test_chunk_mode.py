@@ -65,12 +65,12 @@ def test_p3_decode_equals_prompt_logprobs(served):
 
 
 def test_p4_trainer_in_chunk_mode_is_bit_exact(served, monkeypatch):
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
     model, _, _, busy, _ = served
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
-    tm = GDNHybridForCausalLM.from_pretrained(model)
+    tm = QwenGDNForCausalLM.from_pretrained(model)
     for pack in (1, 8):
         got = trainer_logprobs(tm, busy, pack=pack)
         for c, lp in zip(busy, got):
@@ -78,14 +78,14 @@ def test_p4_trainer_in_chunk_mode_is_bit_exact(served, monkeypatch):
 
 
 def test_negative_control_recurrent_trainer_and_mode_report(served, monkeypatch):
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
     model, srv, _, busy, _ = served
     info = srv.server_info()
     assert info["gdn_mode"] == "chunk" and info["cuda_graphs"] == "NONE"
     monkeypatch.delenv("VLLM_BI_GDN_MODE", raising=False)
-    got = trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model), busy[:4], pack=4)
+    got = trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model), busy[:4], pack=4)
     same = sum(a == b for c, lp in zip(busy[:4], got) for a, b in zip(c.logprobs, lp))
     total = sum(len(c.logprobs) for c in busy[:4])
     assert same < total, "the recurrent trainer reproduced the chunk-mode server: the mode made no difference"
@@ -130,7 +130,7 @@ def test_prefix_cache_hit_keeps_trainer_parity(served, monkeypatch):
     boundary state and the raw inputs after it) still gives the trainer's bits."""
     from transformers import AutoTokenizer
 
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
     model, srv, _, _, _ = served
@@ -144,5 +144,5 @@ def test_prefix_cache_hit_keeps_trainer_parity(served, monkeypatch):
     b = srv.complete(prompt_ids=prefix + [21, 22, 23, 24, 25], max_tokens=16, temperature=1.0, seed=2)
     assert srv.metric_sum("vllm:prefix_cache_hits_total") > hits0, "no prefix-cache hit"
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
-    (got,) = trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model), [b], pack=1)
+    (got,) = trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model), [b], pack=1)
     assert got == b.logprobs

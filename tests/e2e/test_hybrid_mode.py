@@ -63,12 +63,12 @@ def test_p1_alone_equals_busy(served):
 
 
 def test_p4_trainer_in_hybrid_mode_is_bit_exact(served, monkeypatch):
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
     model, _, _, busy, _ = served
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "hybrid")
-    tm = GDNHybridForCausalLM.from_pretrained(model)
+    tm = QwenGDNForCausalLM.from_pretrained(model)
     for pack in (1, 8):
         got = trainer_logprobs(tm, busy, pack=pack)
         for c, lp in zip(busy, got):
@@ -76,12 +76,12 @@ def test_p4_trainer_in_hybrid_mode_is_bit_exact(served, monkeypatch):
 
 
 def test_negative_control_chunk_trainer_and_p3_within_a_block(served, monkeypatch):
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
     from vllm_bi.parity import trainer_logprobs
 
     model, srv, _, _, alone = served
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
-    got = trainer_logprobs(GDNHybridForCausalLM.from_pretrained(model), alone, pack=5)
+    got = trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model), alone, pack=5)
     same = sum(a == b for c, lp in zip(alone, got) for a, b in zip(c.logprobs, lp))
     total = sum(len(c.logprobs) for c in alone)
     assert same < total, "the chunk-mode trainer reproduced the hybrid server: the switch made no difference"
@@ -110,7 +110,7 @@ def test_mode_report_and_prefix_caching_off(served):
 
 
 def test_prefix_caching_is_refused_by_name(monkeypatch):
-    from vllm_bi.model_executor.patches import BatchInvarianceConfigError, _hybrid_prefix_caching
+    from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _hybrid_prefix_caching
 
     class Args:
         enable_prefix_caching = True
@@ -169,7 +169,7 @@ def test_hybrid_mode_is_refused_on_cuda(monkeypatch):
     modes go on."""
     import types
 
-    from vllm_bi.model_executor.patches import BatchInvarianceConfigError, _refuse_hybrid_on_cuda
+    from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _refuse_hybrid_on_cuda
 
     cuda, cpu = types.SimpleNamespace(is_cuda=lambda: True), types.SimpleNamespace(is_cuda=lambda: False)
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "hybrid")

@@ -1,4 +1,4 @@
-"""A NaN is never served (``vllm_bi.model_executor.nonfinite``, on by default): a BI server (on CPU here; the same test
+"""A NaN is never served (``vllm_bi.patch.nonfinite``, on by default): a BI server (on CPU here; the same test
 runs on a GPU machine) whose checkpoint has one embedding row poisoned with NaN fails exactly the request that reads
 that token (HTTP 500 with vllm_bi's message), a clean request served alongside it gets finite logprobs, and after it
 the server serves a clean request with the same tokens and logprobs as before it. Without the guard's count, the same
@@ -83,7 +83,7 @@ def test_a_nan_fails_its_request_and_the_server_serves_the_others(poisoned_serve
 
 
 def test_the_count_takes_nan_and_plus_inf_not_minus_inf():
-    from vllm_bi.model_executor.nonfinite import count_nonfinite_per_row
+    from vllm_bi.patch.nonfinite import count_nonfinite_per_row
 
     x = torch.zeros(4, 5)
     x[1, 2] = float("nan")
@@ -95,7 +95,7 @@ def test_the_count_takes_nan_and_plus_inf_not_minus_inf():
 
 
 def test_the_scheduler_step_drops_the_bad_token_and_fails_the_request():
-    from vllm_bi.model_executor.nonfinite import _wrap_update_from_output
+    from vllm_bi.patch.nonfinite import wrap_update_from_output as _wrap_update_from_output
 
     seen = {}
 

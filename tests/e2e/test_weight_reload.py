@@ -5,7 +5,7 @@ model still reproduces the server's logprobs bit for bit."""
 import pytest
 import torch
 
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.parity import trainer_logprobs
 from vllm_bi.launcher import VllmServer, cpu_env
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.server
 
 def test_reload_in_place_keeps_trainer_parity(tiny_model_path, tmp_path):
     src = tiny_model_path("qwen3-next")
-    model = GDNHybridForCausalLM.from_pretrained(src)
+    model = QwenGDNForCausalLM.from_pretrained(src)
     ids = list(range(10, 90))
     env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
     with VllmServer(src, env=env, args=["--max-num-batched-tokens", "64"]) as srv:

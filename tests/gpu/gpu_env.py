@@ -40,7 +40,7 @@ def gdn_run(fn, seqs, states=None):
     (``gdn_recurrent_varlen`` or ``gdn_chunk_varlen``) from ``states`` (zeros by default): ``(o, states, cu)``."""
     import torch
 
-    from vllm_bi.attention.gdn_recurrent import gdn_gating
+    from vllm_bi.gdn.recurrent import gdn_gating
 
     q, k, v, a, b = (torch.cat([s[i] for s in seqs]).to("cuda") for i in range(5))
     cu = [0]

@@ -1,6 +1,6 @@
 """The chunk-aligned GDN mode on CUDA (fla-core's chunked kernel, two launches, pinned configs).
 
-The specification (``vllm_bi.attention.gdn_chunk``): a token gets the same bits whatever it is packed
+The specification (``vllm_bi.gdn.chunk``): a token gets the same bits whatever it is packed
 with, wherever its prompt was split (the server resumes at the last 64-token boundary and recomputes the
 partial block) and one token at a time in decode; the boundary states of a split run equal the whole
 run's. Exact equality throughout. Correctness: outputs and boundary states vs the float64 reference within
@@ -19,9 +19,9 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 fla = pytest.importorskip("fla")
 
-from vllm_bi.attention.gdn_chunk import CHUNK, FLA_CHUNK_PINS, gdn_chunk_varlen, pin_fla_chunk_configs  # noqa: E402
-from vllm_bi.attention.gdn_naive import naive_gdn  # noqa: E402
-from vllm_bi.attention.gdn_recurrent import gdn_gating  # noqa: E402
+from vllm_bi.gdn.chunk import CHUNK, FLA_CHUNK_PINS, gdn_chunk_varlen, pin_fla_chunk_configs  # noqa: E402
+from vllm_bi.gdn.naive import naive_gdn  # noqa: E402
+from vllm_bi.gdn.recurrent import gdn_gating  # noqa: E402
 
 DEV = "cuda"
 H, HV, K, V = GDN_H, GDN_HV, GDN_K, GDN_V
@@ -96,7 +96,7 @@ def test_matches_float64_reference_and_gradients():
     torch.testing.assert_close(bound[0].double().cpu(), b_ref, rtol=0, atol=3e-2)
     w = torch.randn(o.shape)
     (o.float() * w.to(DEV)).sum().backward()
-    from vllm_bi.attention import gdn_recurrent as gr
+    from vllm_bi.gdn import recurrent as gr
 
     print("backward path:", "torch recurrence (fla-core refused its chunked kernel)" if gr._warned_fallback
           else "fla-core chunked kernel")
@@ -110,7 +110,7 @@ def test_matches_float64_reference_and_gradients():
 
 def _hybrid(prompt_len, start=0):
     """``fn`` for :func:`gdn_run`: the hybrid arithmetic for sequences whose rows start at absolute ``start``."""
-    from vllm_bi.attention.gdn_chunk import gdn_hybrid_varlen, hybrid_chunk_rows
+    from vllm_bi.gdn.chunk import gdn_hybrid_varlen, hybrid_chunk_rows
 
     def fn(q, k, v, g, beta, states, cu):
         rows = [hybrid_chunk_rows(prompt_len, start, cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
@@ -143,7 +143,7 @@ def test_chunk_forward_keeps_its_graph_with_the_no_grad_bits():
     """The trainer's chunk-mode forward (``FLAGatedDeltaRule`` kind "chunk") runs under autograd and keeps
     fla-core's graph, so the backward does not recompute it: its outputs equal the no-gradient call's (the
     server's) bit for bit, and its gradients equal those of the recompute path."""
-    from vllm_bi.attention import gdn_recurrent as gr
+    from vllm_bi.gdn import recurrent as gr
 
     T, cu = 200, torch.tensor([0, 70, 200], device=DEV)
     gen = torch.Generator().manual_seed(5)
@@ -175,7 +175,7 @@ def test_hybrid_output_gradients_take_one_pass_and_match_float64():
     sequence when only the output carries a gradient): the forward's bits are the no-gradient call's, and the
     gradients of two packed sequences, each switching arithmetic, are within 3e-2 (relative L2 norm) of float64
     autograd through the plain recurrence."""
-    from vllm_bi.attention.gdn_chunk import gdn_hybrid_varlen
+    from vllm_bi.gdn.chunk import gdn_hybrid_varlen
 
     lens, splits = [200, 90], [128, 64]
     seqs = [_seq(L, 30 + j) for j, L in enumerate(lens)]
@@ -223,7 +223,7 @@ def test_partial_blocks_in_slots_equal_fla_core():
     fla-core's state and output kernels replaced by one; the chunk server's decode on CUDA since it passed) == the chunk
     mode's current call (``gdn_chunk_varlen``: fla-core's chunked kernel on gathered states), bit for bit, on partial
     blocks of 1..63 rows from shuffled slots with a padded slot stride, and on a 256-request decode batch (33 rows)."""
-    from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
+    from vllm_bi.gdn.chunk_decode import partial_blocks_in_slots
 
     for lens in ([1, 2, 5, 17, 31, 32, 33, 48, 62, 63], [33] * 256):
         seqs, buf, pool, slots, states = _blocks_in_slots(lens, 500, len(lens))
@@ -244,7 +244,7 @@ def test_whole_blocks_in_slots_equal_fla_core():
     ``gdn_chunk_decode._block_state_kernel``) == ``gdn_chunk_varlen``'s outputs and boundary states, bit for bit;
     the partial blocks' slots and the unused ones unchanged. The server sends whole blocks there
     (``gdn_chunk_decode.WHOLE_BLOCKS_IN_SLOTS``, on since this passed on the H200)."""
-    from vllm_bi.attention.gdn_chunk_decode import partial_blocks_in_slots
+    from vllm_bi.gdn.chunk_decode import partial_blocks_in_slots
 
     for lens in ([64, 1, 64, 33, 63, 64], [64] * 256):
         seqs, _, pool, slots, states = _blocks_in_slots(lens, 900, len(lens) + 1)
@@ -276,7 +276,7 @@ def test_chunk_server_step_in_slots_equals_gathered_states(whole_blocks):
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
-    from vllm_bi.attention import gdn_chunk_decode as CD
+    from vllm_bi.gdn import chunk_decode as CD
     from vllm_bi.model_executor import gdn as G
 
     W = 4

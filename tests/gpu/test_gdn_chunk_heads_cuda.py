@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("fla")
 
-from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_varlen  # noqa: E402
-from vllm_bi.attention.gdn_recurrent import gdn_gating  # noqa: E402
+from vllm_bi.gdn.chunk import CHUNK, gdn_chunk_varlen  # noqa: E402
+from vllm_bi.gdn.recurrent import gdn_gating  # noqa: E402
 
 DEV = "cuda"
 K = V = 128
@@ -54,7 +54,7 @@ def _steps(P: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("H,ratio", [(4, 1), (4, 2), (4, 4), (16, 1), (16, 2), (16, 4)],
                          ids=lambda x: str(x))
 def test_chunk_in_slots_equals_the_trainer_over_head_shapes(H, ratio):
-    from vllm_bi.attention.gdn_chunk_decode import chunk_in_slots
+    from vllm_bi.gdn.chunk_decode import chunk_in_slots
 
     HV = H * ratio
     seqs = _sequences(H, HV, seed=H * 10 + ratio)

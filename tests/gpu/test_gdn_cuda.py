@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 fla = pytest.importorskip("fla")
 
-from vllm_bi.attention.gdn_naive import naive_gdn  # noqa: E402
-from vllm_bi.attention.gdn_recurrent import gdn_gating, gdn_recurrent_varlen  # noqa: E402
+from vllm_bi.gdn.naive import naive_gdn  # noqa: E402
+from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent_varlen  # noqa: E402
 
 DEV = "cuda"
 H, HV, K, V = GDN_H, GDN_HV, GDN_K, GDN_V
@@ -74,7 +74,7 @@ def test_matches_float64_reference_and_gradients():
     torch.testing.assert_close(ht[0].double().cpu(), s_ref, rtol=0, atol=3e-2)
     w = torch.randn(o.shape)
     (o.float() * w.to(DEV)).sum().backward()  # fla-core's chunked kernel, or the torch recurrence where refused
-    from vllm_bi.attention import gdn_recurrent as gr
+    from vllm_bi.gdn import recurrent as gr
 
     print("backward path:", "torch recurrence (fla-core refused its chunked kernel)" if gr._warned_fallback
           else "fla-core chunked kernel")
@@ -91,8 +91,8 @@ def test_recurrent_in_slots_equals_fla_core():
     their cache slots) == the trainer's forward (``gdn_recurrent_varlen``: fla-core's fused recurrent kernel on
     gathered states), bit for bit: the outputs and the states written into the slots. Slots no sequence owns,
     and the padding between slots, stay as they were. Prefill-like lengths, then a 256-request decode."""
-    from vllm_bi.attention.gdn_recurrent import index_on
-    from vllm_bi.attention.gdn_slots import recurrent_in_slots
+    from vllm_bi.ops.device import index_on
+    from vllm_bi.gdn.slots import recurrent_in_slots
 
     for lens in ([300, 17, 1, 64, 129, 1, 2], [1] * 256):
         seqs = [_seq(T, 100 + i) for i, T in enumerate(lens)]

@@ -76,9 +76,9 @@ def test_attention_row_depends_on_position_only():
 
 def test_trainer_model_packing_invariant_on_cuda(tiny_model_path):
     pytest.importorskip("fla")
-    from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
-    model = GDNHybridForCausalLM.from_pretrained(tiny_model_path("qwen3.5")).to(DEV)
+    model = QwenGDNForCausalLM.from_pretrained(tiny_model_path("qwen3.5")).to(DEV)
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 1000, (n,), generator=g) for n in (37, 5, 120, 64)]
     with torch.no_grad():

@@ -14,7 +14,7 @@ sys.path.insert(0, BENCH)
 import torch
 import chunk_decode
 import decode_tiles as DT
-from vllm_bi.attention import gdn_chunk_decode as CD
+from vllm_bi.gdn import chunk_decode as CD
 
 def stand_in(q, k, v, g, beta, cu):  # q, k, gate cumsum per block, w, u (any finite values serve the check)
     w = k.float().repeat_interleave(v.shape[1] // k.shape[1], 1) * 0.1

@@ -10,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from vllm_bi.attention import gdn_chunk  # noqa: E402
+from vllm_bi.gdn import chunk as gdn_chunk  # noqa: E402
 
 
 def _module():

@@ -1,4 +1,4 @@
-"""Chunk-aligned GDN (``attention/gdn_chunk.py``): the specification of the performance mode, on CPU.
+"""Chunk-aligned GDN (``gdn/chunk.py``): the specification of the performance mode, on CPU.
 
 * matches the independent float64 reference within 2e-4 absolute (fp32 arithmetic over 200 tokens, the
   recurrent mode's tolerance), outputs and final state;
@@ -10,9 +10,9 @@
 
 import torch
 
-from vllm_bi.attention.gdn_chunk import gdn_chunk_aligned
-from vllm_bi.attention.gdn_naive import naive_gdn
-from vllm_bi.attention.gdn_recurrent import gdn_gating
+from vllm_bi.gdn.chunk import gdn_chunk_aligned
+from vllm_bi.gdn.naive import naive_gdn
+from vllm_bi.gdn.recurrent import gdn_gating
 
 T, H, HV, K, V, C = 200, 1, 2, 128, 128, 64
 

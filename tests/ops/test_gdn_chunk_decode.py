@@ -1,4 +1,4 @@
-"""The chunk mode's partial-block kernel (:mod:`vllm_bi.attention.gdn_chunk_decode`, the chunk server's decode on CUDA)
+"""The chunk mode's partial-block kernel (:mod:`vllm_bi.gdn.chunk_decode`, the chunk server's decode on CUDA)
 through Triton's interpreter on CPU: its logic against float64 (relative error <= 1e-5), with fp32 inputs because the
 interpreter's bf16 ``tl.dot`` is not bf16 arithmetic; the state pool only read, except that a whole block (64 rows)
 writes the state at its end into its slot (against float64 too, also at the GPU head-shape test's shapes); a block
@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 SCRIPT = """
 import torch
-from vllm_bi.attention import gdn_chunk_decode as CD
-from vllm_bi.attention.gdn_chunk_decode import partial_block_outputs, partial_blocks_in_slots
+from vllm_bi.gdn import chunk_decode as CD
+from vllm_bi.gdn.chunk_decode import partial_block_outputs, partial_blocks_in_slots
 
 launch = dict(CD.PARTIAL_LAUNCH)
 

@@ -12,8 +12,8 @@ and 1e-9 (gradients). The bits of fla-core's kernel are the GPU tests' business
 import pytest
 import torch
 
-from vllm_bi.attention import gdn_chunk, gdn_recurrent
-from vllm_bi.attention.gdn_recurrent import gdn_torch_varlen
+from vllm_bi.gdn import chunk as gdn_chunk, recurrent as gdn_recurrent
+from vllm_bi.gdn.recurrent import gdn_torch_varlen
 
 H, HV, K, V = 1, 2, 8, 8
 LENS = [70, 5, 64, 130, 1, 128]

@@ -13,9 +13,9 @@ chunk-aligned arithmetic, its tail and every generated token in the recurrence f
 import pytest
 import torch
 
-from vllm_bi.attention.gdn_chunk import CHUNK, gdn_chunk_aligned, gdn_chunk_varlen, gdn_hybrid_varlen, hybrid_chunk_rows
-from vllm_bi.attention.gdn_naive import naive_gdn
-from vllm_bi.attention.gdn_recurrent import gdn_gating, gdn_recurrent
+from vllm_bi.gdn.chunk import CHUNK, gdn_chunk_aligned, gdn_chunk_varlen, gdn_hybrid_varlen, hybrid_chunk_rows
+from vllm_bi.gdn.naive import naive_gdn
+from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent
 
 H, HV, K, V = 1, 2, 32, 32
 

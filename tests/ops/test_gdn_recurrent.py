@@ -6,8 +6,9 @@ Tolerance vs the float64 reference: 2e-4 absolute on fp32 outputs of unit scale
 
 import torch
 
-from vllm_bi.attention.gdn_naive import naive_causal_conv1d, naive_gdn
-from vllm_bi.attention.gdn_recurrent import causal_conv1d, causal_conv1d_varlen, gdn_gating, gdn_recurrent
+from vllm_bi.gdn.naive import naive_causal_conv1d, naive_gdn
+from vllm_bi.gdn.layer import causal_conv1d, causal_conv1d_varlen
+from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent
 from vllm_bi.ops import pointwise
 
 torch.manual_seed(0)
@@ -128,7 +129,7 @@ def test_gradients_match_float64_reference():
 
 
 def test_varlen_entry_point_on_cpu():
-    from vllm_bi.attention.gdn_recurrent import gdn_recurrent_varlen
+    from vllm_bi.gdn.recurrent import gdn_recurrent_varlen
 
     seqs = [_inputs(T) for T in (7, 1, 30)]
     packed = [torch.cat([s[i] for s in seqs]) for i in range(7)]

@@ -1,4 +1,4 @@
-"""The in-place recurrent step (:mod:`vllm_bi.attention.gdn_slots`, CUDA path of the server's recurrent core)
+"""The in-place recurrent step (:mod:`vllm_bi.gdn.slots`, CUDA path of the server's recurrent core)
 run through Triton's interpreter on CPU: its logic against a float64 recurrence (outputs and the states it
 writes back, relative error <= 1e-5), slots that are permuted, fresh (zeros) or padding (slot 0), untouched
 slots left as they were, and a sequence alone == the same sequence in a batch (exact). Its bits against
@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 SCRIPT = """
 import torch
-from vllm_bi.attention.gdn_slots import recurrent_in_slots
+from vllm_bi.gdn.slots import recurrent_in_slots
 
 torch.manual_seed(0)
 H, HV, K, V, S = 2, 4, 16, 16, 7

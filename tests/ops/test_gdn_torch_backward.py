@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from vllm_bi.attention.gdn_naive import naive_gdn
-from vllm_bi.attention.gdn_recurrent import gdn_torch_varlen
+from vllm_bi.gdn.naive import naive_gdn
+from vllm_bi.gdn.recurrent import gdn_torch_varlen
 
 H, HV, K, V = 1, 2, 16, 8
 LENS = (5, 1, 9)

@@ -3,7 +3,7 @@ sequence, exactly what gdn_sequence gives for that sequence alone (CPU; exact eq
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import gdn_sequence, gdn_varlen
+from vllm_bi.gdn.layer import gdn_sequence, gdn_varlen
 
 H, HV, K, V, W = 1, 2, 128, 128, 4
 D = 2 * H * K + HV * V
@@ -38,7 +38,7 @@ def test_gdn_varlen_matches_gdn_sequence_per_sequence():
 def test_index_tensors_are_built_once_per_layout():
     """The GDN core's index tensors depend only on the batch layout, the same for every layer of a step: they
     are built and copied once and shared; another layout gets its own."""
-    from vllm_bi.attention.gdn_recurrent import index_on, rows_of
+    from vllm_bi.ops.device import index_on, rows_of
 
     a = rows_of([(0, 2), (5, 7)], "cpu")
     assert a.tolist() == [0, 1, 5, 6] and rows_of([(0, 2), (5, 7)], torch.device("cpu")) is a

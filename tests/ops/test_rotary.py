@@ -53,7 +53,7 @@ def test_table_is_built_once_and_kept_per_device(monkeypatch):
         copies.append(str(device))
         return t.clone()
 
-    monkeypatch.setattr("vllm_bi.attention.gdn_recurrent.host_to", fake_host_to)
+    monkeypatch.setattr("vllm_bi.ops.device.host_to", fake_host_to)
     a = rope_cos_sin_cache(16, 64, 500.0, "meta")
     b = rope_cos_sin_cache(16, 64, 500.0, "meta")
     assert a is b and copies == ["meta"]

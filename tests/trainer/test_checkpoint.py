@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.launcher import free_port
 from vllm_bi.trainer.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
@@ -23,7 +23,7 @@ from vllm_bi.trainer.policy import Policy
 SCRIPT = r"""
 import sys, torch
 import torch.distributed.tensor
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.trainer.checkpoint import load_checkpoint, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.distributed import Dist
@@ -32,7 +32,7 @@ from vllm_bi.trainer.policy import Policy
 model_dir, run_dir, what = sys.argv[1:4]
 dist = Dist()
 cfg = TrainerConfig(model=model_dir, run_dir=run_dir, lr=1e-3, grad_clip=0.0)  # no norm: its sum order varies
-model = GDNHybridForCausalLM.from_pretrained(model_dir).to(dist.device)
+model = QwenGDNForCausalLM.from_pretrained(model_dir).to(dist.device)
 dist.shard(model)
 policy = Policy(model, cfg, dist)
 if what == "save":
@@ -79,7 +79,7 @@ def test_resume_restores_masters_params_and_optimizer_exactly(model_dir, tmp_pat
     cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path), lr=1e-3)
 
     def policy():
-        return Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+        return Policy(QwenGDNForCausalLM.from_pretrained(model_dir), cfg, Dist())
 
     a = policy()
     g = torch.Generator().manual_seed(0)
@@ -111,17 +111,17 @@ def test_resume_restores_masters_params_and_optimizer_exactly(model_dir, tmp_pat
 
 def test_a_checkpoint_before_the_first_step_has_no_optimizer_state(model_dir, tmp_path):
     cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
-    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    p = Policy(QwenGDNForCausalLM.from_pretrained(model_dir), cfg, Dist())
     save_checkpoint(str(tmp_path), p, 0, cfg)
     assert json.loads((tmp_path / "checkpoint" / "meta.json").read_text())["optim"] is False
-    q = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    q = Policy(QwenGDNForCausalLM.from_pretrained(model_dir), cfg, Dist())
     assert load_checkpoint(str(tmp_path), q, cfg) == 0
     assert not q.has_optim_state()
 
 
 def test_old_format_and_other_config_are_refused(model_dir, tmp_path):
     cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
-    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    p = Policy(QwenGDNForCausalLM.from_pretrained(model_dir), cfg, Dist())
     save_checkpoint(str(tmp_path), p, 0, cfg)
     other = TrainerConfig(model=model_dir, run_dir=str(tmp_path), group_size=3)
     with pytest.raises(TrainerError, match="group_size=.*--resume false"):
@@ -141,7 +141,7 @@ def test_a_run_resumed_under_other_arithmetic_settings_is_refused(model_dir, tmp
 
     monkeypatch.delenv("VLLM_BI_GDN_MODE", raising=False)
     cfg = TrainerConfig(model=model_dir, run_dir=str(tmp_path))
-    p = Policy(GDNHybridForCausalLM.from_pretrained(model_dir), cfg, Dist())
+    p = Policy(QwenGDNForCausalLM.from_pretrained(model_dir), cfg, Dist())
     save_checkpoint(str(tmp_path), p, 0, cfg)
     meta_path = tmp_path / "checkpoint" / "meta.json"
     meta = json.loads(meta_path.read_text())
@@ -172,7 +172,7 @@ def test_two_fsdp2_processes_save_shards_and_one_process_resumes_them(model_dir,
         _run(tmp_path, model_dir, tmp_path / run_dir, "dump", out, procs=procs)
         dumps[name] = torch.load(out, weights_only=False)
     ref = dumps["single->1"]
-    base = dict(GDNHybridForCausalLM.from_pretrained(model_dir).named_parameters())
+    base = dict(QwenGDNForCausalLM.from_pretrained(model_dir).named_parameters())
     assert all(not torch.equal(ref["masters"][n], base[n].detach().float()) for n in ref["masters"])  # stepped
     for name, d in dumps.items():
         assert d["step"] == 2, name

@@ -18,8 +18,10 @@ REPO = __file__.rsplit("/tests/", 1)[0]
 def test_help_documents_every_option():
     out = subprocess.run([sys.executable, "-m", "vllm_bi.trainer", "--help"], capture_output=True, text=True,
                          check=True).stdout
-    for name in FIELDS:
-        assert "--" + name.replace("_", "-") in out, name
+    for name, f in FIELDS.items():
+        if f.metadata.get("flag") is not False:
+            assert "--" + name.replace("_", "-") in out, name
+    assert "--settings" not in out  # vllm_bi's settings come from a recipe's [settings] or the environment
 
 
 @pytest.mark.parametrize("recipe", ["digits.toml", "digits_async.toml", "jsonl_contains.toml"])
@@ -96,3 +98,42 @@ def test_checkpoint_schedule():
     assert [d for d in range(8) if checkpoint_due(3, d, 7)] == [0, 3, 6, 7]
     assert [d for d in range(5) if checkpoint_due(1, d, 4)] == [0, 1, 2, 3, 4]
     assert not any(checkpoint_due(0, d, 4) for d in range(5))
+
+
+def test_a_recipe_settings_section_is_checked_and_applied_below_the_environment(tmp_path, monkeypatch):
+    """A recipe's [settings] section: validated when the recipe is read, then applied as the process's settings
+    (and its server's, through the environment it inherits); an explicit VLLM_BI_* variable wins over it, and it
+    wins over a preset."""
+    from vllm_bi import settings as S
+
+    monkeypatch.setattr(S, "_FROM_CONFIG", {})
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('steps = 2\n[settings]\ngdn_mode = "chunk"\nnonfinite_guard = false\n')
+    cfg = parse_args(["--config", str(recipe)])
+    assert cfg.settings == {"gdn_mode": "chunk", "nonfinite_guard": False} and cfg.steps == 2
+    env = {}
+    assert S.apply_section(cfg.settings, "r.toml [settings]", env) == []
+    assert env == {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_NONFINITE_GUARD": "0"}
+    got = S.Settings.from_env(env)
+    assert (got.gdn_mode, got.nonfinite_guard, got.source("gdn_mode")) == ("chunk", False, "config")
+    env = {"VLLM_BI_GDN_MODE": "recurrent"}  # set explicitly: the environment wins
+    assert S.apply_section(cfg.settings, "r.toml [settings]", env) == ["gdn_mode"]
+    got = S.Settings.from_env(env)
+    assert (got.gdn_mode, got.source("gdn_mode"), got.nonfinite_guard) == ("recurrent", "env", False)
+    env = {"VLLM_BI_PRESET": "fast"}  # the section over the preset, the preset's other values kept
+    S.apply_section({"gemm": "fp64"}, "r.toml [settings]", env)
+    got = S.Settings.from_env(env)
+    assert (got.gemm, got.source("gemm"), got.cuda_graphs, got.source("cuda_graphs")) == (
+        "fp64", "config", "decode", "preset")
+
+
+@pytest.mark.parametrize("section, match", [
+    ('gdn_mod = "chunk"', r"\[settings\]: unknown settings gdn_mod; known: preset, gdn_mode"),
+    ('gdn_mode = "fast"', r"\[settings\]: gdn_mode='fast' is not a setting; use one of recurrent, chunk, hybrid"),
+])
+def test_a_bad_settings_section_is_one_line(tmp_path, section, match):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f"[settings]\n{section}\n")
+    with pytest.raises(ConfigError, match=match) as e:
+        load_recipe(str(recipe))
+    assert "\n" not in str(e.value)

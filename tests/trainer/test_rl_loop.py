@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.launcher import VllmServer, cpu_env, free_port
 from vllm_bi.trainer import policy as policy_mod
 from vllm_bi.trainer import sync as sync_mod
@@ -76,9 +76,9 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert server.weight_version() == "10"
     # the server holds what the trainer trained: the final checkpoint's bf16 weights
-    final = GDNHybridForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000010"))
+    final = QwenGDNForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000010"))
     assert server.weight_digest() == weight_digest(final.hf_state_dict().items())
-    assert server.weight_digest() != weight_digest(GDNHybridForCausalLM.from_pretrained(model_dir).hf_state_dict().items())
+    assert server.weight_digest() != weight_digest(QwenGDNForCausalLM.from_pretrained(model_dir).hf_state_dict().items())
 
 
 def test_async_gap_is_staleness_only(server, model_dir, tmp_path, caplog):
@@ -154,7 +154,7 @@ def test_fsdp2_two_processes_keep_exact_parity_and_resume(server, model_dir, tmp
     assert [m["step"] for m in rows] == [0, 1, 2, 3]
     assert all(m["trainer/world_size"] == 2 for m in rows)
     assert all(m["bit_wise/logprob_diff/max"] == 0.0 and m["bit_wise/frac_tokens_different"] == 0.0 for m in rows)
-    final = GDNHybridForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000004"))
+    final = QwenGDNForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000004"))
     assert server.weight_digest() == weight_digest(final.hf_state_dict().items())
 
 

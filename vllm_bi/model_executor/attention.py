@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import host_to, step_cached
+from vllm_bi.ops.device import host_to, step_cached
 from vllm_bi.ops.attention import causal_attention_rows
 from vllm_bi.ops.attention_triton import attention_backend, paged_attention, tiles_for
 

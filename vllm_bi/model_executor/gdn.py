@@ -4,7 +4,7 @@
 answers ``supports_batch_invariance() -> True``. That claim is true only
 because :func:`bi_gdn_forward` replaces ``QwenGatedDeltaNetAttention``'s
 forward: one path for decode, prefill and mixed batches on every device, the
-scheduled sequences run together by :func:`vllm_bi.attention.gdn_recurrent.gdn_varlen`
+scheduled sequences run together by :func:`vllm_bi.gdn.layer.gdn_varlen`
 (on CPU one recurrence per sequence, on CUDA one fla-core varlen launch), each
 from its fp32 state slot (zeros when the scheduler says it has none), final
 state stored back.
@@ -16,8 +16,9 @@ from functools import lru_cache
 
 import torch
 
-from vllm_bi.attention.gdn_chunk import CHUNK, gdn_mode, hybrid_chunk_rows
-from vllm_bi.attention.gdn_recurrent import RingRows, gdn_varlen, host_to, rows_of, step_cached
+from vllm_bi.gdn.chunk import CHUNK, gdn_mode, hybrid_chunk_rows
+from vllm_bi.gdn.layer import RingRows, gdn_varlen
+from vllm_bi.ops.device import host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
 
@@ -34,7 +35,7 @@ except ImportError:
 
 
 # The model runner's per-request prompt lengths (its input batch's CPU tensor, rows in the step's request order),
-# set by the runner patch (``patches._wrap_build_attention_metadata``) before it builds a step's metadata.
+# set by the runner patch (``patch.gdn_backend.wrap_build_attention_metadata``) before it builds a step's metadata.
 STEP_PROMPT_LENS: torch.Tensor | None = None
 
 
@@ -235,7 +236,7 @@ def _build_plan(md, dev) -> StepPlan | None:
     mode = gdn_mode()
     if n_pre == 0 and n_dec and getattr(md, "num_decode_tokens", None) == n_dec:
         # the hybrid mode only while a CUDA graph is captured: eagerly, a one-token prompt chunk (which vLLM
-        # counts as a decode) may need chunk rows; a replayed step has none (patches.prompt_chunk_scheduled)
+        # counts as a decode) may need chunk rows; a replayed step has none (patch.gdn_backend.prompt_chunk_scheduled)
         if mode == "recurrent" or (mode == "hybrid" and _capturing(dev)):
             return _decode_plan(md, n_dec, dev)
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
@@ -431,7 +432,7 @@ def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, 
 def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout) -> torch.Tensor:
     """The recurrent core of one step from conv states ``conv [N, W-1, D]``: fills ``out`` and the state slots,
     returns the new conv states. CUDA: the states are read from and written to their slots in place (one pass
-    over them, as stock vLLM's kernel; :mod:`vllm_bi.attention.gdn_slots`). CPU: gathered, run, stored."""
+    over them, as stock vLLM's kernel; :mod:`vllm_bi.gdn.slots`). CPU: gathered, run, stored."""
     dims = (layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation)
     if kv_layout and _in_place(mixed_qkv.device):
         o, new_conv, _ = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias,

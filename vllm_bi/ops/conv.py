@@ -1,4 +1,4 @@
-"""The CUDA path of the GDN short convolution (:func:`vllm_bi.attention.gdn_recurrent.causal_conv1d_varlen`):
+"""The CUDA path of the GDN short convolution (:func:`vllm_bi.gdn.layer.causal_conv1d_varlen`):
 one Triton kernel over the packed batch.
 
 Each output element ``y[t, d] = act(sum_w weight[d, w] * ext_j[p + w])`` (``j`` the token's sequence, ``p``

@@ -29,51 +29,26 @@ and every other ``K = 2048`` shape its default 64, and its Blackwell and sm120 t
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 
-__all__ = ["builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
+from vllm_bi.settings import BUILTIN_GEMM_TABLES as BUILTIN_DIR
+from vllm_bi.settings import builtin_tables, current
+
+__all__ = ["BUILTIN_DIR", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
 
 _installed: dict[str, str] = {}  # path -> digest of the table installed in this process
 _user_shapes: set[tuple[int, int]] = set()  # (N, K) of the installed table file
 _reference: dict | None = None  # K -> the shape config every (N, K) product uses, for the current device table
-BUILTIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemm_tiles")
-
-
-def builtin_tables() -> list[str]:
-    """Names of the tables shipped with vllm_bi (``VLLM_BI_GEMM_CONFIGS=<name>``)."""
-    try:
-        return sorted(f[:-5] for f in os.listdir(BUILTIN_DIR) if f.endswith(".json"))
-    except OSError:
-        return []
 
 
 def table_path() -> str | None:
     """The table file ``VLLM_BI_GEMM_CONFIGS`` names (a path, or a shipped table's name), ``None`` when unset."""
-    from vllm_bi.settings import current
-
-    value = current().gemm_configs
-    if not value:
-        return None
-    if os.sep in value or value.endswith(".json") or os.path.exists(value):
-        return value
-    if value in builtin_tables():
-        return os.path.join(BUILTIN_DIR, value + ".json")
-    raise ValueError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped with "
-                     f"vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
+    return current().gemm_table_path()
 
 
 def table_digest() -> str:
     """A short name of the table this process uses: ``"none"`` (vLLM's own) or the file's sha256 prefix."""
-    path = table_path()
-    if path is None:
-        return "none"
-    try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
-    except OSError as e:
-        raise ValueError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
+    return current().gemm_tiles()
 
 
 def _pow2(x) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 
 from vllm_bi.ops import pointwise
-from vllm_bi.ops.activation import silu_mul
-from vllm_bi.ops.linear import bi_linear
+from vllm_bi.ops.moe_loop import combine_topk, moe_experts_loop
+from vllm_bi.ops.moe_triton import moe_backend, moe_experts_triton
 from vllm_bi.ops.softmax import logsumexp, softmax
 
 __all__ = ["softmax_topk", "moe_experts", "moe_experts_loop", "combine_topk"]
@@ -51,50 +51,9 @@ def moe_experts(
 ) -> torch.Tensor:
     """Routed experts. ``x [T, H]``, ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` -> ``[T, H]`` in x.dtype, by the path
     ``VLLM_BI_MOE`` picks (module doc). ``sum_partials``: tensor parallelism, the loop path only."""
-    from vllm_bi.ops.moe_triton import moe_backend, moe_experts_triton
-
     mode = moe_backend(x.device)
     if mode != "loop":
         if sum_partials is not None:
             raise NotImplementedError(f"vllm_bi: VLLM_BI_MOE={mode} with tensor parallelism: use VLLM_BI_MOE=loop")
         return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, mode == "exact")
     return moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, sum_partials)
-
-
-def moe_experts_loop(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input: bool = False,
-                     sum_partials=None) -> torch.Tensor:
-    """:func:`moe_experts` by a host loop over the routed experts.
-
-    Each expert's down projection is an exact float64 sum rounded once to ``x.dtype`` (as ``bi_linear``).
-    ``sum_partials`` (tensor parallelism: ``w13``/``w2`` hold this rank's slice of the intermediate dim) maps
-    the float64 partial sums ``[T * k, H]`` to the full sums before that rounding, so every rank gets the
-    unsharded bits."""
-    T, k = topk_ids.shape
-    H = w2.shape[1]
-    if T == 0:
-        return torch.zeros((T, H), dtype=x.dtype, device=x.device)
-    ids = topk_ids.long()
-    y64 = torch.zeros((T, k, H), dtype=torch.float64, device=x.device)
-    for e in torch.unique(ids).tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[tok]
-        if apply_router_weight_on_input:
-            xe = (xe.float() * topk_weights[tok, slot].unsqueeze(-1)).to(x.dtype)
-        h = silu_mul(bi_linear(xe, w13[e]))
-        y64[tok, slot] = bi_linear(h, w2[e], out_dtype=torch.float64)
-    if sum_partials is not None:
-        y64 = sum_partials(y64.reshape(T * k, H)).reshape(T, k, H)
-    return combine_topk(y64.to(x.dtype), topk_weights, apply_router_weight_on_input)
-
-
-def combine_topk(y: torch.Tensor, topk_weights: torch.Tensor, weighted_on_input: bool) -> torch.Tensor:
-    """A token's output from its k expert outputs ``y [T, k, H]`` (each already rounded to the activation dtype):
-    scaled by the routing weights in fp32 (unless they scaled the inputs), summed in the order of the token's
-    top-k list, rounded once."""
-    yf = y.float()
-    if not weighted_on_input:
-        yf = yf * topk_weights.float().unsqueeze(-1)
-    out32 = torch.zeros(yf.shape[0], yf.shape[2], dtype=torch.float32, device=y.device)
-    for j in range(yf.shape[1]):
-        out32 = out32 + yf[:, j]
-    return out32.to(y.dtype)

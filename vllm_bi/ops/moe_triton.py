@@ -167,7 +167,7 @@ def grouped_linear(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, layout,
 
 def _forward(x, w13, w2, topk_weights, topk_ids, on_input, exact):
     from vllm_bi.ops.activation import silu_mul
-    from vllm_bi.ops.moe import combine_topk
+    from vllm_bi.ops.moe_loop import combine_topk
 
     T, k = topk_ids.shape
     H = w2.shape[1]
@@ -198,7 +198,7 @@ class _TritonExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from vllm_bi.ops.moe import moe_experts_loop
+        from vllm_bi.ops.moe_loop import moe_experts_loop
 
         x, w13, w2, tw, ids = ctx.saved_tensors
         need = ctx.needs_input_grad[:4]

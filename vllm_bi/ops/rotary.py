@@ -27,7 +27,7 @@ def rope_cos_sin_cache(rotary_dim: int, max_position: int, base: float, device=N
         return _CACHE[key]
     on = (*key, str(torch.device(device)))
     if on not in _CACHE:
-        from vllm_bi.attention.gdn_recurrent import host_to
+        from vllm_bi.ops.device import host_to
 
         _CACHE[on] = host_to(_CACHE[key], device)
     return _CACHE[on]

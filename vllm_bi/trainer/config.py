@@ -3,6 +3,11 @@
 Precedence: defaults < ``--config FILE.toml`` < ``--option value`` flags. Every field below is a flag
 (``max_staleness`` -> ``--max-staleness``); ``python -m vllm_bi.trainer --help`` lists them with
 these help texts. Recipes live in the repository's top-level ``trainer/`` folder.
+
+A recipe's ``[settings]`` section holds vllm_bi's arithmetic settings (``gdn_mode = "chunk"``, ``preset = "fast"``;
+names as in ``vllm-bi info``). The trainer applies it to itself and to the server it starts; a ``VLLM_BI_*``
+variable set in the environment wins over it (:func:`vllm_bi.settings.apply_section`). Against a server started
+elsewhere nothing is adopted from the server: a mismatch is refused, naming the setting and both values.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import dataclasses
 import os
 import tomllib
 from dataclasses import dataclass, field
+
+from vllm_bi.settings import Settings
 
 __all__ = ["TrainerConfig", "ConfigError", "parse_args"]
 
@@ -75,6 +82,9 @@ class TrainerConfig:
     resume: bool = _f(True, "continue from RUN_DIR/checkpoint when it exists")
     tensorboard: bool = _f(True, "also write TensorBoard events to RUN_DIR/tb (needs the tensorboard package)")
     progress: bool = _f(True, "show a progress bar")
+    # ---- vllm_bi's arithmetic settings: the recipe's [settings] section only (not a flag)
+    settings: dict = field(default_factory=dict, metadata={"help": "vllm_bi settings from the recipe's [settings] "
+                                                                   "section", "flag": False})
 
     def validate(self) -> "TrainerConfig":
         def bad(opt, msg):
@@ -148,8 +158,17 @@ def load_recipe(path: str) -> dict:
         raise ConfigError(f"--config {path}: not valid TOML ({e})") from None
     flat = {}
     for k, v in raw.items():  # sections are only for readability: [rollout] steps = 10 == steps = 10
+        if k == "settings":  # except [settings]: vllm_bi's own, checked here, applied when the run starts
+            if not isinstance(v, dict):
+                raise ConfigError(f"--config {path}: settings must be a [settings] section of name = value lines")
+            try:
+                Settings.from_dict(v)
+            except ValueError as e:
+                raise ConfigError(f"--config {path} [settings]: {e}") from None
+            flat["settings"] = dict(v)
+            continue
         for kk, vv in (v.items() if isinstance(v, dict) else [(k, v)]):
-            if kk not in FIELDS:
+            if kk not in FIELDS or kk == "settings":
                 near = difflib.get_close_matches(kk, FIELDS, n=1)
                 raise ConfigError(f"--config {path}: unknown option {kk!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
             flat[kk] = _coerce(kk, vv, f"--config {path}")
@@ -165,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="TOML recipe (see the trainer/ folder); flags override it")
     for name, f in FIELDS.items():
+        if f.metadata.get("flag") is False:
+            continue
         flag = "--" + name.replace("_", "-")
         kw = {"default": None, "help": f.metadata["help"] + f" (default: {f.default!r})"}
         if f.metadata.get("choices"):
@@ -179,7 +200,7 @@ def parse_args(argv: list[str] | None = None) -> TrainerConfig:
     args = build_parser().parse_args(argv)
     values = load_recipe(args.config) if args.config else {}
     for name in FIELDS:
-        v = getattr(args, name)
+        v = getattr(args, name, None)
         if v is not None:
             values[name] = _coerce(name, v, "--" + name.replace("_", "-"))
     cfg = TrainerConfig(**values)

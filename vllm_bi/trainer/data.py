@@ -9,33 +9,15 @@ examples it would have seen.
 
 from __future__ import annotations
 
-import json
 import os
 import random
+
+from vllm_bi.prompts import read_jsonl
 
 __all__ = ["PromptSource", "make_source", "read_jsonl", "DIGIT_WORDS"]
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 _FILLER = ("the", "red", "cat", "river", "stone", "page", "road", "moon", "sum", "count", "number", "answer")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """Objects of a JSONL file, each with a string ``prompt``; errors name the file and line."""
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not JSON ({e}); expected one {{\"prompt\": ...}} per line") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                raise ValueError(f"{path}:{i}: expected an object with a string \"prompt\" field")
-            rows.append(obj)
-    if not rows:
-        raise ValueError(f"{path}: no examples")
-    return rows
 
 
 class PromptSource:

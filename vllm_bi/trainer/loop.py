@@ -22,7 +22,7 @@ import time
 import torch
 
 from vllm_bi.client import ServerUnreachable, VllmClient
-from vllm_bi.model_executor.models.hybrid import GDNHybridForCausalLM
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, run_settings, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
@@ -55,6 +55,15 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     from transformers import AutoTokenizer
 
     cfg.validate()
+    if cfg.settings:  # the recipe's [settings]: this process's and its server's, unless the environment sets them
+        from vllm_bi.settings import apply_section
+
+        try:
+            kept = apply_section(cfg.settings, "the recipe's [settings]")
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
+        for name in kept:
+            log(f"settings: {name} is set in the environment, which wins over the recipe's [settings]")
     if (cfg.prompts_per_step * cfg.group_size) % dist.world:
         raise TrainerError(f"--prompts-per-step x --group-size = {cfg.prompts_per_step * cfg.group_size} samples "
                            f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of {dist.world}")
@@ -76,7 +85,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
     t0 = time.perf_counter()
-    model = GDNHybridForCausalLM.from_pretrained(model_dir).to(dist.device)
+    model = QwenGDNForCausalLM.from_pretrained(model_dir).to(dist.device)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
     if dist.main:

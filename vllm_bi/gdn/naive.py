@@ -1,6 +1,6 @@
 """Float64 reference for the GDN layer core (the math :mod:`gdn_recurrent` must match).
 
-Written independently of :func:`vllm_bi.attention.gdn_recurrent.gdn_recurrent`:
+Written independently of :func:`vllm_bi.gdn.recurrent.gdn_recurrent`:
 explicit per-head loops, matrix-vector products, float64 throughout. Used only
 by tests.
 """

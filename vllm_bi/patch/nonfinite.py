@@ -22,12 +22,13 @@ logits give).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
 import torch
 
-__all__ = ["guard_enabled", "count_nonfinite_per_row", "apply_nonfinite_guard"]
+__all__ = ["guard_enabled", "count_nonfinite_per_row", "prepare", "wrap_update_from_output", "raise_if_error"]
 
 logger = logging.getLogger("vllm_bi")
 
@@ -48,7 +49,8 @@ def count_nonfinite_per_row(logits: torch.Tensor) -> torch.Tensor:
     return (torch.isnan(logits) | torch.isposinf(logits)).sum(dim=-1, dtype=torch.int32)
 
 
-def _wrap_update_from_output(orig):
+def wrap_update_from_output(orig):
+    @functools.wraps(orig)
     def update_from_output(self, scheduler_output, model_runner_output):
         counts = getattr(model_runner_output, "num_nans_in_logits", None) or {}
         bad = sorted(r for r, n in counts.items() if n and r in scheduler_output.num_scheduled_tokens)
@@ -65,11 +67,10 @@ def _wrap_update_from_output(orig):
             self.encoder_cache_mismatch_reqs.update(bad)
         return orig(self, scheduler_output, model_runner_output)
 
-    update_from_output._vllm_bi = True
     return update_from_output
 
 
-def _raise_if_error(self, finish_reason, request_id) -> None:
+def raise_if_error(self, finish_reason, request_id) -> None:
     if finish_reason == "error":
         from vllm.exceptions import GenerationError
 
@@ -77,31 +78,14 @@ def _raise_if_error(self, finish_reason, request_id) -> None:
         raise GenerationError(MESSAGE)
 
 
-def apply_nonfinite_guard(patch) -> bool:
-    """Install the guard (``patch(owner, name, new)`` records each change in the ledger) when
-    :func:`guard_enabled`; returns whether it did."""
-    if not guard_enabled():
-        return False
-    os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"  # vLLM's per-request count, read when the runner starts
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker import gpu_model_runner
-
+def prepare() -> None:
+    """Before the guard's patches: turn on vLLM's per-request count (read when the model runner starts), and check
+    that this vLLM's scheduler has the channel that fails one request."""
     import inspect
 
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    os.environ["VLLM_COMPUTE_NANS_IN_LOGITS"] = "1"
     if "encoder_cache_mismatch_reqs" not in inspect.getsource(Scheduler.update_from_output):
         raise RuntimeError("vllm_bi: this vLLM's scheduler has no channel to fail one request; the non-finite "
-                           f"guard needs vLLM 0.32 (or set VLLM_BI_NONFINITE_GUARD=0)")
-    patch(gpu_model_runner, "count_nans_per_row", count_nonfinite_per_row,
-          "vllm.v1.worker.gpu_model_runner.count_nans_per_row")
-    try:  # the V2 model runner (CUDA) counts in its sampler
-        from vllm.v1.worker.gpu.sample import sampler as v2_sampler
-
-        patch(v2_sampler, "get_num_nans", count_nonfinite_per_row, "vllm.v1.worker.gpu.sample.sampler.get_num_nans")
-    except ImportError:
-        pass
-    if not getattr(Scheduler.update_from_output, "_vllm_bi", False):
-        patch(Scheduler, "update_from_output", _wrap_update_from_output(Scheduler.update_from_output))
-    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-
-    patch(GenerateBaseServing, "_raise_if_error", _raise_if_error)
-    return True
+                           "guard needs vLLM 0.32 (or set VLLM_BI_NONFINITE_GUARD=0)")

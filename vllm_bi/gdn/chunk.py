@@ -21,9 +21,9 @@ Per block, value head ``h`` (``G`` = cumulative log-decay from the boundary, ``S
     o_t     = exp(G_t) * S0 q_t + sum_{j <= t} exp(G_t - G_j) (q_t . k_j) U_j
     S_C     = exp(G_C) * S0 + sum_j exp(G_C - G_j) U_j k_j^T    (the next boundary)
 
-which is the recurrence of :mod:`vllm_bi.attention.gdn_recurrent` (``S_t = e^{g_t} S_{t-1} + U_t k_t^T``)
+which is the recurrence of :mod:`vllm_bi.gdn.recurrent` (``S_t = e^{g_t} S_{t-1} + U_t k_t^T``)
 unrolled over the block. q and k are l2-normalised (eps 1e-6) and q scaled by ``K^-1/2`` first, as there.
-Inputs and shapes as :func:`~vllm_bi.attention.gdn_recurrent.gdn_recurrent`: ``q, k [T, H, K]``,
+Inputs and shapes as :func:`~vllm_bi.gdn.recurrent.gdn_recurrent`: ``q, k [T, H, K]``,
 ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``state [HV, V, K]`` fp32.
 
 Selected with ``VLLM_BI_GDN_MODE=chunk`` (server and trainer alike); :func:`gdn_chunk_varlen` is the one
@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.attention.gdn_recurrent import FLAGatedDeltaRule, gdn_recurrent_varlen, heads_qk, index_on, rows_of
+from vllm_bi.gdn.recurrent import FLAGatedDeltaRule, gdn_recurrent_varlen, heads_qk
+from vllm_bi.ops.device import index_on, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.settings import current
@@ -256,7 +257,7 @@ def gdn_hybrid_varlen(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences whose first ``chunk_rows[j]`` rows run in the chunk-aligned arithmetic
     (:func:`gdn_chunk_varlen`, from the boundary state ``states[j]``) and the rest in the recurrence
-    (:func:`~vllm_bi.attention.gdn_recurrent.gdn_recurrent_varlen`), from the state the chunk rows end in.
+    (:func:`~vllm_bi.gdn.recurrent.gdn_recurrent_varlen`), from the state the chunk rows end in.
 
     A sequence with recurrent rows must have whole blocks of chunk rows (``chunk_rows[j] % CHUNK == 0``): the
     recurrence then starts from a boundary state, which the chunk arithmetic gives exactly. Returns

@@ -31,6 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.gdn.chunk import _packed, gdn_chunk_varlen, pin_fla_chunk_configs
+from vllm_bi.gdn.slots import check_slot_pool
+from vllm_bi.ops.device import index_on
+
 __all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs", "block_intermediates"]
 
 CHUNK = 64
@@ -181,7 +185,6 @@ if triton is not None:
 
 
 def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
-    from vllm_bi.attention.gdn_slots import check_slot_pool
 
     if K not in (64, 128):
         raise ValueError(f"{who}: the partial-block kernel supports head_k_dim 64 or 128, got {K}")
@@ -220,7 +223,7 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
 def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             pool: torch.Tensor, slots: torch.Tensor, cu: list[int], scale: float) -> torch.Tensor:
     """The chunk mode's output rows of packed partial blocks (CUDA): ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta
-    [T, HV]`` as :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` takes them, each segment of ``cu`` (host
+    [T, HV]`` as :func:`vllm_bi.gdn.chunk.gdn_chunk_varlen` takes them, each segment of ``cu`` (host
     offsets) of 1..64 rows and starting at a block boundary, whose boundary state is in slot ``slots[j]`` of
     ``pool [S, HV, K, V]``. Returns ``o [T, HV, V]`` (``v.dtype``). A segment of 64 rows completes its block: its
     slot then gets the state at the block's end (fla-core's state kernel's arithmetic); the others' slots are only
@@ -229,7 +232,6 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if any(n > CHUNK or n < 1 for n in lens):
         raise ValueError(f"partial_blocks_in_slots: every segment must have 1..{CHUNK} rows, got {lens}")
     _check("partial_blocks_in_slots", q, pool, v.shape[1], k.shape[2], v.shape[2])
-    from vllm_bi.attention.gdn_recurrent import index_on
 
     qn, kn, gc, w, u, cu_t = block_intermediates(q, k, v, g, beta, cu)
     whole = [j for j, n in enumerate(lens) if n == CHUNK]
@@ -248,8 +250,6 @@ def block_intermediates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
-    from vllm_bi.attention.gdn_chunk import pin_fla_chunk_configs
-    from vllm_bi.attention.gdn_recurrent import index_on
 
     pin_fla_chunk_configs()
     dev = q.device
@@ -269,7 +269,7 @@ def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
                    pool: torch.Tensor, slots: torch.Tensor, cu: list[int], fresh=(), scale: float | None = None
                    ) -> torch.Tensor:
     """The chunk mode's core for one server step with the boundary states in their slots (CUDA): the inputs as
-    :func:`vllm_bi.attention.gdn_chunk.gdn_chunk_varlen` takes them (every segment of ``cu`` starting at a block
+    :func:`vllm_bi.gdn.chunk.gdn_chunk_varlen` takes them (every segment of ``cu`` starting at a block
     boundary), sequence ``j``'s boundary state in slot ``slots[j]`` of ``pool [S, HV, K, V]`` fp32, ``fresh`` the
     (host) indices of the new sequences, whose state starts from zeros. Returns ``o [T, HV, V]``.
 
@@ -279,8 +279,6 @@ def chunk_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     state at the block's end. The others (new ones, longer prefills) gather their states, run
     ``gdn_chunk_varlen`` and store the states at their last boundary back into their slots. Each sequence's bits
     are those of ``gdn_chunk_varlen`` on it alone (the GPU tests); how the step splits does not change them."""
-    from vllm_bi.attention.gdn_chunk import _packed, gdn_chunk_varlen
-    from vllm_bi.attention.gdn_recurrent import index_on
 
     N, dev = len(cu) - 1, q.device
     new = set(int(j) for j in fresh)

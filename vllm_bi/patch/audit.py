@@ -9,6 +9,8 @@ GEMM. Anything else stops the engine with the layer's name and class.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["audit_model", "BATCH_INVARIANT_LAYERS", "UnsupportedLayerError"]
@@ -49,12 +51,12 @@ BATCH_INVARIANT_LAYERS: dict[str, str] = {
 
 
 def _check_routed_experts(m: torch.nn.Module) -> str | None:
-    from vllm_bi.model_executor.patches import _experts_apply
+    from vllm_bi.patch.cpu_moe import experts_apply
 
     qm = getattr(m, "quant_method", None)
     kernel = getattr(qm, "moe_kernel", None)
     experts = getattr(kernel, "fused_experts", None)
-    if experts is None or getattr(type(experts), "apply", None) is not _experts_apply:
+    if experts is None or getattr(type(experts), "apply", None) is not experts_apply:
         return f"experts kernel {type(experts).__name__} is not vllm_bi's"
     return None
 
@@ -63,7 +65,7 @@ def _check_dispatch(m: torch.nn.Module) -> str | None:
     """A patched custom op must dispatch to vllm_bi's forward (a subclass may override it)."""
     fm = getattr(m, "_forward_method", None)
     fn = getattr(fm, "__func__", fm)
-    if getattr(fn, "__module__", "") != "vllm_bi.model_executor.patches":
+    if getattr(fn, "__module__", "") != "vllm_bi.patch.cpu_layers":
         return f"dispatches to {getattr(fn, '__qualname__', fn)}, not to vllm_bi"
     return None
 
@@ -132,3 +134,15 @@ def audit_model(model: torch.nn.Module) -> dict[str, int]:
             + ". Unset VLLM_BATCH_INVARIANT to serve this model without the guarantee."
         )
     return seen
+
+
+def wrap_load_model(orig):
+    """``CPUModelRunner.load_model``, then :func:`audit_model` on the loaded model."""
+
+    @functools.wraps(orig)
+    def load_model(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        audit_model(self.model)
+        return result
+
+    return load_model

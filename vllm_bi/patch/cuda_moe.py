@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["apply_cuda_moe", "check_moe_method"]
+__all__ = ["fused_topk_compute_routing", "refuse_routing", "gate_linear_forward", "refuse_fused_gate",
+           "triton_experts_apply", "check_moe_method", "wrap_process_weights"]
 
 
 # --------------------------------------------------------------------------- router
@@ -149,43 +150,10 @@ def check_moe_method(method, layer) -> None:
         refuse("shuffled expert weights")
 
 
-def _wrap_process_weights(orig):
+def wrap_process_weights(orig):
     @functools.wraps(orig)
     def process_weights_after_loading(self, layer):
         orig(self, layer)
         check_moe_method(self, layer)
 
-    process_weights_after_loading._vllm_bi = True
     return process_weights_after_loading
-
-
-# --------------------------------------------------------------------------- entry
-
-
-def apply_cuda_moe(patch) -> None:
-    """Route the CUDA MoE router and experts to ``vllm_bi.ops.moe`` (``patch(owner, name, new)`` as
-    ``patches._patch``). Run in every vLLM process before the model is built (``apply_all``)."""
-    from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
-    from vllm.model_executor.layers.fused_moe.router.aiter_shared_routed_fused_moe_router import (
-        AiterSharedRoutedFusedMoERouter,
-    )
-    from vllm.model_executor.layers.fused_moe.router.custom_routing_router import CustomRoutingRouter
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_bias_router import FusedTopKBiasRouter
-    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import FusedTopKRouter
-    from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
-    from vllm.model_executor.layers.fused_moe.router.routing_simulator_router import RoutingSimulatorRouter
-    from vllm.model_executor.layers.fused_moe.router.zero_expert_router import ZeroExpertRouter
-    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-    patch(FusedTopKRouter, "_compute_routing", fused_topk_compute_routing)
-    for cls in (GroupedTopKRouter, CustomRoutingRouter, FusedTopKBiasRouter, AiterSharedRoutedFusedMoERouter,
-                RoutingSimulatorRouter, ZeroExpertRouter):
-        patch(cls, "_compute_routing", refuse_routing)
-    patch(GateLinear, "forward", gate_linear_forward)
-    patch(MoERunner, "_maybe_fuse_gate_weights", refuse_fused_gate)
-    patch(TritonExperts, "apply", triton_experts_apply)
-    pwal = UnquantizedFusedMoEMethod.process_weights_after_loading
-    if not getattr(pwal, "_vllm_bi", False):
-        patch(UnquantizedFusedMoEMethod, "process_weights_after_loading", _wrap_process_weights(pwal))

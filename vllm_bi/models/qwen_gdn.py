@@ -2,14 +2,14 @@
 
 This is the model the trainer runs. Every op is the same function the vLLM
 engine calls under ``VLLM_BATCH_INVARIANT=1`` (see
-``vllm_bi/model_executor/patches.py``), composed in the same order with the
+``vllm_bi/patch/``), composed in the same order with the
 same roundings as vLLM 0.32's model code, so a token's logprob here equals the
 one the server returned, bit for bit.
 
 Input is a varlen-packed batch: ``input_ids [T]`` and ``cu_seqlens [B+1]``
 (every sequence starts at position 0), and, for ``VLLM_BI_GDN_MODE=hybrid``, each sequence's prompt length (its
 GDN arithmetic switches at the prompt's last block boundary, as the server's does). Output: bf16 logits
-``[T, vocab]``; :meth:`GDNHybridForCausalLM.token_logprobs` gives the logprob of each next token.
+``[T, vocab]``; :meth:`QwenGDNForCausalLM.token_logprobs` gives the logprob of each next token.
 
 Legend: ``T`` packed tokens, ``D`` hidden size, ``H``/``Hkv`` attention heads,
 ``Hk``/``Hv`` GDN key/value heads, ``K``/``V`` GDN head dims.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.attention.gdn_chunk import gdn_mode, hybrid_chunk_rows
-from vllm_bi.attention.gdn_recurrent import gdn_varlen
+from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
+from vllm_bi.gdn.layer import gdn_varlen
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
@@ -36,7 +36,7 @@ from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 from vllm_bi.ops.softmax import log_softmax
 
-__all__ = ["HybridConfig", "GDNHybridForCausalLM"]
+__all__ = ["HybridConfig", "QwenGDNForCausalLM"]
 
 _ARCHS = {
     "Qwen3NextForCausalLM": ("qwen3-next", True),
@@ -316,7 +316,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class GDNHybridForCausalLM(nn.Module):
+class QwenGDNForCausalLM(nn.Module):
     """The trainer's model. ``from_pretrained(dir)`` reads ``config.json`` and ``*.safetensors``."""
 
     def __init__(self, c: HybridConfig, raw: dict):
@@ -333,7 +333,7 @@ class GDNHybridForCausalLM(nn.Module):
         self.lm_head = None if c.tie_word_embeddings else _p(c.vocab_size, D)
 
     @classmethod
-    def from_pretrained(cls, path: str) -> "GDNHybridForCausalLM":
+    def from_pretrained(cls, path: str) -> "QwenGDNForCausalLM":
         from safetensors.torch import load_file
 
         c = HybridConfig.from_pretrained(path)

@@ -1,0 +1,73 @@
+"""The patch ledger (``vllm_bi/patch/ledger.py``) is what is applied, and nothing else.
+
+The served-model test compares the ledger's active rows with an independent observation: the vLLM attributes that
+differ between a process that served a model under ``VLLM_BATCH_INVARIANT=1`` and a pristine import of the same
+modules (``tests/ledger_observer.py``). Its negative controls: in the same served process, one unlisted attribute
+replaced and one listed patch undone; the comparison must name both.
+"""
+
+import os
+
+import pytest
+from ledger_observer import UNLISTED, compare, observe
+
+from vllm_bi.patch.ledger import LEDGER, active_rows, ledger_table, resolve
+from vllm_bi.settings import Settings
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def test_ledger_page_matches_the_ledger():
+    with open(os.path.join(ROOT, "docs", "patches.md")) as f:
+        assert f.read() == ledger_table(), "docs/patches.md is stale: python -m vllm_bi.patch.ledger --write docs/patches.md"
+
+
+def test_every_row_names_a_vllm_symbol_and_a_replacement():
+    """Static check of every row, CUDA rows included: the target's owner exists in this vLLM, and so does the
+    replacement (a row for a class vLLM renamed would otherwise only fail at a server's start)."""
+    import importlib
+    import inspect
+
+    from vllm_bi.patch.ledger import _split
+
+    new_methods = {"vllm_bi_weight_digest", "vllm_bi_info"}
+    for p in LEDGER:
+        assert p.platform in ("all", "cpu", "cuda") and p.why and p.how and p.upstream and p.remove_when, p
+        module, parts, key = _split(p.target)
+        owner = importlib.import_module(module)
+        for name in parts[:-1]:
+            owner = getattr(owner, name)
+        if p.kind == "attr" and parts[-1] not in new_methods:
+            inspect.getattr_static(owner, parts[-1])  # raises AttributeError for a stale row
+        assert resolve(p.new) is not None
+    targets = [(p.target, p.platform, p.when) for p in LEDGER]
+    assert len(targets) == len(set(targets)), "a row is listed twice"
+
+
+def test_rows_follow_the_settings():
+    """The settings decide which rows apply: the chunk and hybrid GDN modes add their rows, vLLM's own CUDA kernels
+    swap the op-library rows for the norm fixes, the guard's rows go with the guard."""
+    base = {p.target for p in active_rows("cpu", Settings())}
+    hybrid = {p.target for p in active_rows("cpu", Settings(gdn_mode="hybrid"))}
+    assert {t.split(":")[1] for t in hybrid - base} == {
+        "MambaStateShapeCalculator.gated_delta_net_state_shape", "VllmConfig.use_v2_model_runner",
+        "GPUModelRunner._build_attention_metadata", "GPUModelRunner._determine_batch_execution_and_padding"}
+    unguarded = {p.target for p in active_rows("cpu", Settings(nonfinite_guard=False))}
+    assert len(base - unguarded) == 4 and not unguarded - base
+    own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
+    theirs = [p for p in active_rows("cuda", Settings(cuda_ops="vllm")) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
+    assert [p.new for p in own] == ["vllm_bi.patch.cpu_layers:gemma_rms_forward"]
+    assert [p.new for p in theirs] == ["vllm_bi.patch.cuda_ops:gemma_rms_forward_cuda"]
+
+
+@pytest.mark.server
+def test_ledger_is_exactly_what_a_served_model_changed(tiny_model_path, tmp_path):
+    observed, tampered, run = observe(tiny_model_path("qwen3.5"), "cpu", tmp_path)
+    listed = {p.target for p in active_rows("cpu", Settings())}
+    assert set(run["active"]) == listed and set(run["applied"]) == listed
+    unlisted, missing = compare(observed, listed)
+    assert not unlisted and not missing, (
+        f"vLLM attributes changed but not in the ledger: {unlisted}; ledger rows not applied: {missing}")
+    # negative controls: the same comparison names a patch nobody listed and a listed one that was undone
+    unlisted, missing = compare(tampered, listed)
+    assert unlisted == [UNLISTED] and missing == [run["reverted"]], (unlisted, missing)

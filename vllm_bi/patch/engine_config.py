@@ -1,0 +1,220 @@
+"""The engine configuration under ``VLLM_BATCH_INVARIANT=1``: what vllm_bi sets, and what it refuses at start-up.
+
+``EngineArgs.create_engine_config`` is wrapped (ledger row in :mod:`vllm_bi.patch.ledger`) so that every check
+runs once, in the process that builds the engine, before any model is loaded:
+
+- the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
+- speculative decoding is refused;
+- CPU runs eagerly (torch.compile would re-fuse the ops); CUDA runs eagerly unless ``VLLM_BI_CUDA_GRAPHS=decode``
+  (then decode steps are captured, :func:`_check_graphs`), with TRITON_ATTN as the attention backend when none
+  is chosen;
+- every ``VLLM_BI_*`` value is validated (:mod:`vllm_bi.settings`), and the op settings' tables are read;
+- parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
+  (:func:`_check_parallelism`);
+- the hybrid GDN mode turns prefix caching off and is refused on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from vllm_bi.settings import current as current_settings
+
+__all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config"]
+
+logger = logging.getLogger("vllm_bi")
+
+
+class BatchInvarianceConfigError(ValueError):
+    """A configuration vllm_bi cannot make batch-invariant."""
+
+
+def wrap_create_engine_config(orig):
+    """``EngineArgs.create_engine_config`` with vllm_bi's checks and defaults first (see the module doc)."""
+
+    @functools.wraps(orig)
+    def create_engine_config(self, *args, **kwargs):
+        from vllm.platforms import current_platform
+
+        ssm = getattr(self, "mamba_ssm_cache_dtype", "auto")
+        if ssm not in ("auto", "float32", None):
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: VLLM_BATCH_INVARIANT=1 needs a float32 GDN/SSM state cache, but "
+                f"--mamba-ssm-cache-dtype is {ssm!r} (a {ssm} state is rounded at every prefill split). "
+                "Fix: drop --mamba-ssm-cache-dtype or pass --mamba-ssm-cache-dtype float32."
+            )
+        if ssm != "float32":
+            self.mamba_ssm_cache_dtype = "float32"
+            logger.info("vllm_bi: batch invariance: SSM state cache dtype auto -> float32")
+        if getattr(self, "speculative_config", None):
+            raise BatchInvarianceConfigError(
+                "vllm_bi: speculative decoding is not batch-invariant yet; remove --speculative-config "
+                "or unset VLLM_BATCH_INVARIANT."
+            )
+        if current_platform.is_cpu() and not self.enforce_eager:
+            self.enforce_eager = True
+            logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
+        _hybrid_prefix_caching(self)
+        _refuse_hybrid_on_cuda(current_platform)
+        if current_platform.is_cuda():
+            chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
+            if chosen is None:
+                self.attention_backend = "TRITON_ATTN"
+                logger.warning(
+                    "vllm_bi: batch invariance on CUDA: attention backend TRITON_ATTN (with FLASH_ATTN, decode and "
+                    "prefill logprobs differed for ~500-token contexts on an H200)"
+                )
+            elif "TRITON_ATTN" not in str(chosen) and current_settings().cuda_ops == "vllm_bi":
+                raise BatchInvarianceConfigError(
+                    f"vllm_bi: VLLM_BI_CUDA_OPS=vllm_bi routes TRITON_ATTN's attention only; the chosen backend "
+                    f"{chosen} would bypass it. Drop --attention-backend or choose TRITON_ATTN.")
+            elif "TRITON_ATTN" not in str(chosen):
+                logger.warning(
+                    "vllm_bi: attention backend %s: decode/prefill (prompt_logprobs) parity is only "
+                    "measured with TRITON_ATTN on CUDA", chosen,
+                )
+        try:
+            settings = current_settings()  # every VLLM_BI_* value checked once, here, at start-up
+        except ValueError as e:
+            raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+        graphs = current_platform.is_cuda() and settings.cuda_graphs == "decode"
+        if graphs:
+            if self.enforce_eager:
+                raise BatchInvarianceConfigError(
+                    "vllm_bi: VLLM_BI_CUDA_GRAPHS=decode captures decode steps, --enforce-eager forbids it; drop one")
+            from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+            self.compilation_config.mode = CompilationMode.NONE  # no torch.compile: it would re-fuse the ops
+            self.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+            logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS=decode: decode steps captured in CUDA graphs, prefills "
+                           "eager (experimental: check with `vllm-bi parity`)")
+        elif current_platform.is_cpu() and settings.cuda_graphs != "off":
+            logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS applies to CUDA only; ignored on CPU (eager)")
+        elif current_platform.is_cuda() and not self.enforce_eager:
+            self.enforce_eager = True
+            logger.warning(
+                "vllm_bi: batch invariance on CUDA: eager mode (the BI glue plans steps on the host; "
+                "VLLM_BI_CUDA_GRAPHS=decode captures decode steps, experimental)"
+            )
+        config = orig(self, *args, **kwargs)
+        _check_parallelism(config, current_platform)
+        _check_op_settings(current_platform)
+        if graphs:
+            _check_graphs(config)
+        return config
+
+    return create_engine_config
+
+
+def _hybrid_prefix_caching(args) -> None:
+    """``VLLM_BI_GDN_MODE=hybrid`` turns prefix caching off (and refuses it when asked for). A token's arithmetic
+    there depends on its own request's prompt length, so a state cached by another request (a previous turn's
+    generated tokens, run in the recurrence) is not the state this request would compute: a cache hit would
+    change its bits."""
+    try:
+        hybrid = current_settings().gdn_mode == "hybrid"
+    except ValueError as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    if not hybrid:
+        return
+    if args.enable_prefix_caching:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid cannot share prefix-cache states between requests (a token's "
+            "arithmetic depends on its request's prompt length); drop --enable-prefix-caching or use "
+            f"VLLM_BI_GDN_MODE=chunk or recurrent.")
+    args.enable_prefix_caching = False
+    logger.warning("vllm_bi: VLLM_BI_GDN_MODE=hybrid: prefix caching off (a state cached by another request would "
+                   "have other bits)")
+
+
+def _refuse_hybrid_on_cuda(platform) -> None:
+    """``VLLM_BI_GDN_MODE=hybrid`` on CUDA: refused. The GPU gate (``docs/results/gpu-gate.json``) measured the
+    trainer's logprobs equal to the served ones on only 88-98% of tokens for prompts of 5-700 words (exact on CPU on
+    the same prompts), so the mode does not deliver what batch invariance claims there."""
+    if platform.is_cuda() and current_settings().gdn_mode == "hybrid":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid is not exact on CUDA (the GPU gate measured 88-98% of tokens equal to "
+            f"the trainer's, docs/results/2026-12-02-h200-chunk-nan.md); use VLLM_BI_GDN_MODE=chunk (exact, the "
+            "fastest prefill) or recurrent.")
+
+
+def _check_graphs(config) -> None:
+    """``VLLM_BI_CUDA_GRAPHS=decode``: refuse what a captured decode step cannot run.
+
+    By default vllm_bi runs CUDA steps eagerly: its glue plans each step on the host. A step of one-token decodes
+    needs no host plan: the GDN glue (recurrent and hybrid modes) reads its state slots from the metadata's device
+    tensor and the Triton attention builds its tiles on the device. With this setting vLLM captures such steps whole
+    (``cudagraph_mode=FULL_DECODE_ONLY``, no torch.compile) and replays them; prefills and mixed steps stay eager. A
+    captured step runs the same kernels on the same rows as an eager one, so its bits are the same; padded rows read
+    and write vLLM's null slot and block. :meth:`vllm_bi.settings.Settings.graph_blockers` lists what a decode step
+    still reads on the host (and is refused here)."""
+    has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
+    why = current_settings().graph_blockers(has_moe)
+    if why:
+        raise BatchInvarianceConfigError("vllm_bi: VLLM_BI_CUDA_GRAPHS=decode cannot capture a decode step with "
+                                         f"{'; '.join(why)}. Change those or unset VLLM_BI_CUDA_GRAPHS.")
+
+
+def _check_op_settings(platform) -> None:
+    """``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE`` and ``VLLM_BI_GEMM_CONFIGS`` read at engine creation, so a bad value
+    stops the server at start-up, not at its first request."""
+    from vllm_bi.ops.attention_triton import attention_backend
+    from vllm_bi.ops.gemm_configs import load_table, table_path
+    from vllm_bi.ops.linear import gemm_mode
+    from vllm_bi.ops.moe_triton import moe_backend
+
+    try:
+        op = attention_backend("cuda" if platform.is_cuda() else "cpu")
+        moe_backend("cuda" if platform.is_cuda() else "cpu")
+        tiles = table_path()  # a file or the name of a table shipped with vllm_bi
+        if tiles:
+            arch, shapes = load_table(tiles)
+    except (ValueError, RuntimeError) as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    logger.info("vllm_bi: attention op %s (VLLM_BI_ATTENTION)", op)
+    if tiles:
+        logger.info("vllm_bi: Triton GEMM tiles for %d weight shapes (%s) from %s%s", len(shapes), arch, tiles,
+                    "" if gemm_mode() == "triton" else "; unused: VLLM_BI_GEMM is not 'triton'")
+
+
+def _check_parallelism(config, platform) -> None:
+    par = config.parallel_config
+    tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
+    if pp > 1:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: pipeline parallelism (--pipeline-parallel-size {pp}) is not verified batch-invariant yet; "
+            "use --pipeline-parallel-size 1 or unset VLLM_BATCH_INVARIANT.")
+    has_moe = int(getattr(config.model_config.hf_text_config, "num_experts", 0) or 0) > 0
+    if tp == 1:
+        return
+    if not platform.is_cpu() and not current_settings().allow_unverified_tp:
+        if not current_settings().cuda_ops == "vllm_bi":  # vLLM's own kernels and NCCL's all-reduce order: never measured
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) on GPU is verified with vllm_bi's op "
+                "library only; unset VLLM_BI_CUDA_OPS (default vllm_bi) or use --tensor-parallel-size 1 "
+                "(VLLM_BI_ALLOW_UNVERIFIED_TP=1 runs it unverified, for measuring).")
+    from vllm_bi.ops.moe_triton import moe_backend
+
+    if has_moe and (not platform.is_cpu() or par.enable_expert_parallel or par.use_sequence_parallel_moe):
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers is batch-invariant on "
+            "CPU without expert or sequence parallelism only; use --tensor-parallel-size 1.")
+    if has_moe and moe_backend("cuda" if platform.is_cuda() else "cpu") != "loop":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) with MoE layers needs VLLM_BI_MOE=loop (its "
+            "exact partial sums); set it (the CPU default) or use --tensor-parallel-size 1.")
+    from vllm_bi.ops.linear import gemm_mode
+
+    if gemm_mode() != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM
+        raise BatchInvarianceConfigError(  # would be the Triton one: other bits
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) needs the exact float64 GEMM; unset "
+            f"VLLM_BI_GEMM (it is {gemm_mode()!r}) or use --tensor-parallel-size 1.")
+    hf = config.model_config.hf_text_config
+    gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
+    uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}
+    if uneven:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: tensor parallelism {tp} does not divide the model's GDN heads ({uneven}); each rank "
+            "needs whole heads. Use a --tensor-parallel-size that divides them.")
+    logger.info("vllm_bi: tensor parallelism %d: row-parallel layers all-reduce exact float64 partial sums", tp)

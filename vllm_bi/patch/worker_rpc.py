@@ -1,0 +1,29 @@
+"""Worker methods a trainer calls over ``/collective_rpc``: the weight digest and the settings that decide the bits."""
+
+from __future__ import annotations
+
+from vllm_bi.settings import current as current_settings
+
+__all__ = ["vllm_bi_weight_digest", "vllm_bi_info"]
+
+
+def vllm_bi_weight_digest(self) -> dict[str, str]:
+    from vllm_bi.weights import weight_digest
+
+    return weight_digest(self.model_runner.get_model().named_parameters())
+
+
+def vllm_bi_info(self) -> dict:
+    """What a trainer must agree with to reproduce this server's bits (``/collective_rpc vllm_bi_info``)."""
+    from vllm_bi import __version__
+    from vllm_bi.gdn import CHUNK
+
+    from vllm.platforms import current_platform
+
+    device = "cuda" if current_platform.is_cuda() else "cpu"
+    graphs = "NONE"  # CPU: no CUDA graphs, whatever the config says
+    if device == "cuda":
+        graphs = getattr(getattr(getattr(self, "vllm_config", None), "compilation_config", None), "cudagraph_mode", None)
+    # the settings' arithmetic dict (vllm_bi.settings), and what else a trainer checks
+    return {"vllm_bi": __version__, **current_settings().arithmetic(device), "chunk": CHUNK, "device": device,
+            "cuda_graphs": str(getattr(graphs, "name", graphs))}
