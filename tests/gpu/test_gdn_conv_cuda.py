@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton")
 
-from vllm_bi.gdn.recurrent import causal_conv1d_varlen  # noqa: E402
+from vllm_bi.gdn.layer import causal_conv1d_varlen  # noqa: E402
 
 D, W, DEV = 8192, 4, "cuda"
 LENS = [1, 7, 64, 300, 2]
