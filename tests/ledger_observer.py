@@ -216,3 +216,18 @@ def observe(model: str, device: str, tmp_path) -> tuple[set[str], set[str], dict
     run, base = json.load(open(served)), json.load(open(pristine))["pristine"]
     assert len(base) > 100, "the pristine process described too few vLLM modules"
     return changed(base, run["served"], run["vllm_dir"]), changed(base, run["tampered"], run["vllm_dir"]), run
+
+
+def check_ledger(model: str, device: str, tmp_path) -> None:
+    """The ledger's active rows on ``device`` are exactly what serving ``model`` changed in vLLM; the negative
+    controls (an unlisted patch, a listed one undone) are both named by the same comparison."""
+    from vllm_bi.patch.ledger import active_rows
+
+    observed, tampered, run = observe(model, device, tmp_path)
+    listed = {p.target for p in active_rows(device)}
+    assert set(run["active"]) == listed and set(run["applied"]) == listed
+    unlisted, missing = compare(observed, listed)
+    assert not unlisted and not missing, (
+        f"vLLM attributes changed but not in the ledger: {unlisted}; ledger rows not applied: {missing}")
+    unlisted, missing = compare(tampered, listed)
+    assert unlisted == [UNLISTED] and missing == [run["reverted"]], (unlisted, missing)
