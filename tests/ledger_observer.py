@@ -130,7 +130,9 @@ def changed(pristine: dict, patched: dict, vllm_dir: str) -> set[str]:
         for k in set(a) | set(b):
             if a.get(k) == b.get(k):
                 continue
-            if _foreign(b.get(k), vllm_dir):
+            # a plain value naming vllm_bi counts only as a registry entry (vLLM keeps e.g. the stack that first
+            # initialised its platform, which runs through the plugin, as a string)
+            if _foreign(b.get(k), vllm_dir) and (k.endswith("]") or ".py:" in b[k] or "class:" in b[k]):
                 out.add(k)
     return out
 
