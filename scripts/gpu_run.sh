@@ -5,7 +5,8 @@
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
 #                                    moe [ARGS ;] (benchmarks/moe_layer.py: MoE experts, BI loop / triton vs stock),
 #                                    e2e [ARGS ;] (benchmarks/generate_throughput.py ARGS), save-caches,
-#                                    py SCRIPT [ARGS] ; (any benchmarks/ script, e.g. py profile_gdn.py --shapes train:1x4096 ;)
+#                                    py SCRIPT [ARGS] ; (any benchmarks/ script, e.g. py profile_gdn.py --shapes train:1x4096 ;),
+#                                    checkpoint NAME DIR [ARGS] ; (vllm-bi make-checkpoint on the GPU: full-size random weights)
 # Installs every bundle part present in $VLLM_BI_BUNDLE (default: <repo>/.gpu_bundle, made by
 # scripts/gpu_prepare.sh) into $VLLM_BI_SITE (default /tmp/vllm_bi_site). Idempotent: a part already
 # installed (same MANIFEST) is skipped, so a bundle can arrive over several back-to-back calls to a
@@ -132,6 +133,9 @@ while [ $# -gt 0 ]; do
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 bi_gemm_tune.py --out "$LOG/bench_gemm_tune.md" \
         --out-json "$LOG/bi_gemm_tiles.json" "${args[@]}" ) 2>&1 | tee "$LOG/gemm-tune.log" ;;
+    checkpoint)  # a full-size random-weight checkpoint on this machine: checkpoint qwen3.5-9b /tmp/ckpt/9b [ARGS] ;
+      args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
+      ( cd "$REPO" && python3 -m vllm_bi.cli make-checkpoint --device cuda "${args[@]}" ) 2>&1 | tee "$LOG/checkpoint.log" ;;
     py)  # any script of benchmarks/ alone: py gdn_layer.py --part forward --rows decode ;  (log: $OUT/py-<script>.log)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       ( cd "$REPO/benchmarks" && python3 "${args[@]}" ) 2>&1 | tee "$LOG/py-$(basename "${args[0]}" .py).log" ;;

@@ -1,5 +1,6 @@
 """Plugin registration, refusal paths and the CPU console-script fix (no engine start needed, except one CLI run)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -67,49 +68,61 @@ def test_stock_vllm_refuses_gdn_without_the_plugin_patch():
     assert r.returncode != 0 and "not supported for GDN_ATTN" in r.stderr
 
 
-def test_explicit_bf16_state_cache_is_refused(tiny_model_path):
+# Engine configurations checked at start-up, all in one BI process (each case is EngineArgs(...).create_engine_config()
+# for a tiny model; one vLLM import instead of one per case): (case, family, EngineArgs keywords).
+CONFIG_CASES = [
+    ("auto state cache", "qwen3-next", {}),
+    ("bf16 state cache", "qwen3-next", {"mamba_ssm_cache_dtype": "bfloat16"}),
+    ("speculative decoding", "qwen3-next",
+     {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}}),
+    ("tp with expert parallelism", "qwen3-next", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
+    ("pipeline parallelism", "qwen3.5", {"pipeline_parallel_size": 2}),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_configs(tiny_model_path):
+    """``{case: (accepted, detail)}``: detail is the refusal's message, or ``"<ssm cache dtype> <enforce_eager>"``."""
+    cases = [(name, tiny_model_path(family), kw) for name, family, kw in CONFIG_CASES]
     code = (
+        "import json, sys\n"
         "from vllm.engine.arg_utils import EngineArgs\n"
-        f"EngineArgs(model={tiny_model_path('qwen3-next')!r}, mamba_ssm_cache_dtype='bfloat16').create_engine_config()\n"
+        f"for name, model, kw in {cases!r}:\n"
+        "    try:\n"
+        "        c = EngineArgs(model=model, **kw).create_engine_config()\n"
+        "        row = [name, True, f'{c.cache_config.mamba_ssm_cache_dtype} {c.model_config.enforce_eager}']\n"
+        "    except Exception as e:\n"
+        "        row = [name, False, f'{type(e).__name__}: {e}']\n"
+        "    print('CASE ' + json.dumps(row), flush=True)\n"
     )
-    r = _run(code, bi=True)
-    assert r.returncode != 0
-    assert "--mamba-ssm-cache-dtype float32" in r.stderr and "'bfloat16'" in r.stderr
-
-
-def test_speculative_decoding_is_refused(tiny_model_path):
-    code = (
-        "from vllm.engine.arg_utils import EngineArgs\n"
-        f"EngineArgs(model={tiny_model_path('qwen3-next')!r}, speculative_config="
-        "{'method': 'ngram', 'num_speculative_tokens': 2, 'prompt_lookup_max': 3}).create_engine_config()\n"
-    )
-    r = _run(code, bi=True)
-    assert r.returncode != 0 and "speculative decoding is not batch-invariant" in r.stderr
-
-
-@pytest.mark.parametrize("family,args,message", [
-    ("qwen3-next", "tensor_parallel_size=2, enable_expert_parallel=True",
-     "tensor parallelism (--tensor-parallel-size 2) with MoE layers is batch-invariant on CPU without expert"),
-    ("qwen3.5", "pipeline_parallel_size=2", "pipeline parallelism (--pipeline-parallel-size 2) is not verified"),
-])
-def test_unverified_parallelism_is_refused(tiny_model_path, family, args, message):
-    code = (
-        "from vllm.engine.arg_utils import EngineArgs\n"
-        f"EngineArgs(model={tiny_model_path(family)!r}, {args}).create_engine_config()\n"
-    )
-    r = _run(code, bi=True)
-    assert r.returncode != 0 and message in r.stderr, r.stderr[-3000:]
-
-
-def test_auto_state_cache_becomes_float32(tiny_model_path):
-    code = (
-        "from vllm.engine.arg_utils import EngineArgs\n"
-        f"c = EngineArgs(model={tiny_model_path('qwen3-next')!r}).create_engine_config()\n"
-        "print(c.cache_config.mamba_ssm_cache_dtype, c.model_config.enforce_eager)\n"
-    )
-    r = _run(code, bi=True)
+    r = _run(code, bi=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "float32 True"
+    rows = [json.loads(line[5:]) for line in r.stdout.splitlines() if line.startswith("CASE ")]
+    return {name: (ok, detail) for name, ok, detail in rows}
+
+
+def test_auto_state_cache_becomes_float32(engine_configs):
+    assert engine_configs["auto state cache"] == (True, "float32 True")
+
+
+def test_explicit_bf16_state_cache_is_refused(engine_configs):
+    ok, detail = engine_configs["bf16 state cache"]
+    assert not ok and "--mamba-ssm-cache-dtype float32" in detail and "'bfloat16'" in detail, detail
+
+
+def test_speculative_decoding_is_refused(engine_configs):
+    ok, detail = engine_configs["speculative decoding"]
+    assert not ok and "speculative decoding is not batch-invariant" in detail, detail
+
+
+@pytest.mark.parametrize("case,message", [
+    ("tp with expert parallelism",
+     "tensor parallelism (--tensor-parallel-size 2) with MoE layers is batch-invariant on CPU without expert"),
+    ("pipeline parallelism", "pipeline parallelism (--pipeline-parallel-size 2) is not verified"),
+])
+def test_unverified_parallelism_is_refused(engine_configs, case, message):
+    ok, detail = engine_configs[case]
+    assert not ok and message in detail, detail
 
 
 def test_audit_refuses_unknown_layers():

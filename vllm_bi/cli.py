@@ -6,6 +6,7 @@
     vllm-bi plot         PNG curves of a trainer run (python -m vllm_bi.trainer) from its metrics.jsonl
     vllm-bi diag         where server and trainer part: each decoder sub-module compared exactly
     vllm-bi make-model   write a small random-weight GDN hybrid (and tokenizer) to a directory
+    vllm-bi make-checkpoint  write a full-size random-weight checkpoint with a published config (Qwen3.5-9B, ...)
     vllm-bi info         versions, the GDN / CUDA-op / GEMM / attention / MoE modes, GEMM tiles, CUDA graphs,
                          and whether vLLM finds the plugin
 """
@@ -27,6 +28,20 @@ def _cmd_make_model(args) -> int:
 
     path = build_tiny_model(args.family, args.out, seed=args.seed, spec=SPECS[args.spec], overwrite=args.overwrite)
     print(f"wrote {args.family} (spec {args.spec}, seed {args.seed}) to {path}")
+    return 0
+
+
+def _cmd_make_checkpoint(args) -> int:
+    from vllm_bi.checkpoints import write_checkpoint
+
+    overrides = {"num_hidden_layers": args.layers} if args.layers else None
+    try:
+        path = write_checkpoint(args.name, args.out, seed=args.seed, overrides=overrides, device=args.device,
+                                entropy=args.entropy, overwrite=args.overwrite)
+    except (ValueError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.name} (seed {args.seed}{f', {args.layers} layers' if args.layers else ''}) to {path}")
     return 0
 
 
@@ -282,6 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "~0.9 B parameters; moe-router: 256 experts, top-8)")
     m.add_argument("--overwrite", action="store_true")
     m.set_defaults(fn=_cmd_make_model)
+
+    mc = sub.add_parser("make-checkpoint", help="write a full-size random-weight checkpoint with a published config",
+                        description="Writes config.json, bf16 safetensors shards and a full-vocabulary tokenizer, each "
+                        "tensor drawn from a generator seeded by --seed and its name (the same bytes on any machine); "
+                        "the LM head scaled for a mean next-token entropy of --entropy nats.")
+    mc.add_argument("name", choices=["qwen3.5-9b", "qwen3.5-35b-a3b"])
+    mc.add_argument("out", help="output directory")
+    mc.add_argument("--seed", type=int, default=0)
+    mc.add_argument("--layers", type=int, default=0, help="fewer layers at full width (default: the published count)")
+    mc.add_argument("--device", default="cpu", help="where tensors are drawn (cuda is much faster; the bytes are "
+                    "the same per device type)")
+    mc.add_argument("--entropy", type=float, default=3.0, help="target mean next-token entropy in nats (default 3)")
+    mc.add_argument("--overwrite", action="store_true")
+    mc.set_defaults(fn=_cmd_make_checkpoint)
 
     pl = sub.add_parser("plot", help="PNG curves (reward, logprob diff, throughput) of a trainer run",
                         description="Reads RUN_DIR/metrics.jsonl (written by python -m vllm_bi.trainer) and writes "

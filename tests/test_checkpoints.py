@@ -1,0 +1,100 @@
+"""Full-size random-weight checkpoints (``vllm_bi/checkpoints.py``): the published configs, a written checkpoint's
+names, shapes, determinism and tokenizer, and the next-token entropy its LM head was scaled for."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_bi import checkpoints as C
+
+# A checkpoint with the 9B's structure and full vocabulary on narrow layers (CPU-sized).
+NARROW = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 1, "linear_num_value_heads": 2}
+
+
+def test_published_configs_are_the_published_numbers():
+    _, nine = C._config("qwen3.5-9b", None, 0)
+    assert (nine.hidden_size, nine.num_hidden_layers, nine.intermediate_size, nine.vocab_size) == (4096, 32, 12288,
+                                                                                                   248320)
+    assert (nine.num_attention_heads, nine.num_key_value_heads, nine.head_dim) == (16, 4, 256)
+    assert (nine.linear_num_key_heads, nine.linear_num_value_heads, nine.linear_key_head_dim,
+            nine.linear_value_head_dim, nine.linear_conv_kernel_dim) == (16, 32, 128, 128, 4)
+    assert nine.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 8
+    assert nine.tie_word_embeddings is False and nine.architectures == ["Qwen3_5ForCausalLM"]
+    _, moe = C._config("qwen3.5-35b-a3b", None, 0)
+    assert (moe.hidden_size, moe.num_hidden_layers, moe.num_experts, moe.num_experts_per_tok,
+            moe.moe_intermediate_size, moe.shared_expert_intermediate_size) == (2048, 40, 256, 8, 512, 512)
+    assert (moe.num_attention_heads, moe.num_key_value_heads) == (16, 2)
+    # the 9B's text model, counted on the meta device (no memory): about 9 B parameters
+    params = sum(math.prod(s) for _, s in C.checkpoint_tensors("qwen3.5", nine))
+    assert 8.5e9 < params < 9.5e9, params
+    with pytest.raises(ValueError, match="unknown checkpoint 'qwen9'; choose one of qwen3.5-9b, qwen3.5-35b-a3b"):
+        C._config("qwen9", None, 0)
+
+
+@pytest.mark.parametrize("target", [1.0, 3.0, 6.0])
+def test_the_logit_scale_gives_the_entropy_asked_for(target):
+    sigma = C.logit_sigma_for_entropy(248320, target, seed=0)
+    z = torch.randn(64, 248320, generator=torch.Generator().manual_seed(1))  # fresh draws
+    logp = torch.log_softmax(sigma * z, dim=-1)
+    got = float(-(logp.exp() * logp).sum(-1).mean())
+    assert abs(got - target) < 0.15 * target, (sigma, got)
+
+
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "qwen3.5-9b-narrow")
+    return C.write_checkpoint("qwen3.5-9b", path, seed=3, overrides=NARROW, shard_bytes=64 << 20, progress=False)
+
+
+def test_a_written_checkpoint_has_the_models_tensors_a_full_tokenizer_and_is_deterministic(narrow, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.load(open(os.path.join(narrow, "config.json")))
+    assert cfg["vocab_size"] == 248320 and cfg["hidden_size"] == 256 and cfg["architectures"] == ["Qwen3_5ForCausalLM"]
+    index = json.load(open(os.path.join(narrow, "model.safetensors.index.json")))["weight_map"]
+    assert len(set(index.values())) > 1  # sharded
+    tensors = {}
+    for f in sorted(set(index.values())):
+        tensors.update(load_file(os.path.join(narrow, f)))
+    _, config = C._config("qwen3.5-9b", NARROW, 0)
+    want = dict(C.checkpoint_tensors("qwen3.5", config))
+    assert {n: tuple(t.shape) for n, t in tensors.items()} == want and set(index) == set(want)
+    # the MTP layer vLLM's drafter loads: [embedding; hidden] -> hidden, norms, one full-attention decoder layer
+    assert cfg["mtp_num_hidden_layers"] == 1 and want["mtp.fc.weight"] == (256, 512)
+    assert want["mtp.layers.0.self_attn.q_proj.weight"] == want["model.layers.3.self_attn.q_proj.weight"]
+    assert all(t.dtype == torch.bfloat16 and torch.isfinite(t.float()).all() for t in tensors.values())
+    tok = AutoTokenizer.from_pretrained(narrow)
+    assert len(tok) == 248320 and tok.decode([200000]) == "<|v200000|>"
+    assert tok.decode(tok("one two three")["input_ids"]) == "one two three"
+    # the same seed, another shard size: the same bytes; another seed: other values
+    again = C.write_checkpoint("qwen3.5-9b", str(tmp_path / "again"), seed=3, overrides=NARROW, progress=False)
+    other = load_file(os.path.join(again, "model-00001-of-00001.safetensors"))
+    assert set(other) == set(tensors) and all(torch.equal(other[n], tensors[n]) for n in tensors)
+    with pytest.raises(FileExistsError, match="not empty"):
+        C.write_checkpoint("qwen3.5-9b", again, seed=4, overrides=NARROW, progress=False)
+    reseeded = C.write_checkpoint("qwen3.5-9b", again, seed=4, overrides=NARROW, progress=False, overwrite=True)
+    other = load_file(os.path.join(reseeded, "model-00001-of-00001.safetensors"))
+    assert not torch.equal(other["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_the_trainer_model_loads_it_and_samples_neither_flat_nor_one_hot(narrow):
+    """The LM head was scaled for a mean next-token entropy of 3 nats; the model's own forward gives 1-6 (flat
+    over 248,320 tokens would be 12.4, one-hot 0)."""
+    from vllm_bi.models import QwenGDNForCausalLM
+    from transformers import AutoTokenizer
+
+    model = QwenGDNForCausalLM.from_pretrained(narrow)
+    tok = AutoTokenizer.from_pretrained(narrow)
+    seqs = [tok(t)["input_ids"] for t in ("one two three four five six", "the quick cat sat near the river",
+                                          "add 12 + 30 = 42 and then")]
+    ids = torch.tensor([i for s in seqs for i in s])
+    cu = [0]
+    for s in seqs:
+        cu.append(cu[-1] + len(s))
+    h = C.mean_entropy(model, ids, cu)
+    assert 1.0 <= h <= 6.0, h
