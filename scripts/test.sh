@@ -26,12 +26,15 @@ else
      tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
      tests/e2e/test_benchmarks.py tests/test_patch_ledger.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
+  # Each shard's pytest process (and what it starts) on that core too: a shard's own torch work (the trainer's
+  # recomputes, the interpreter kernels) spread over both cores slowed the other shard's engine down.
+  on_core() { local c="$1"; shift; if command -v taskset >/dev/null; then taskset -c "$c" "$@"; else "$@"; fi; }
   echo "running the suite in two shards (logs: test-shard-a.log, test-shard-b.log) ..."
   tmp=$(mktemp -d)  # each shard its own pytest temp root: neither cleans up the other's folders
-  VLLM_CPU_OMP_THREADS_BIND=0 TEST_DURATIONS_FILE=test-durations.shard-a .venv/bin/python -m pytest "${A[@]}" -v --basetemp "$tmp/a" \
+  VLLM_CPU_OMP_THREADS_BIND=0 TEST_DURATIONS_FILE=test-durations.shard-a on_core 0 .venv/bin/python -m pytest "${A[@]}" -v --basetemp "$tmp/a" \
     > test-shard-a.log 2>&1 &
   pa=$!
-  VLLM_CPU_OMP_THREADS_BIND=1 TEST_DURATIONS_FILE=test-durations.shard-b .venv/bin/python -m pytest tests "${B[@]}" -v --basetemp "$tmp/b" \
+  VLLM_CPU_OMP_THREADS_BIND=1 TEST_DURATIONS_FILE=test-durations.shard-b on_core 1 .venv/bin/python -m pytest tests "${B[@]}" -v --basetemp "$tmp/b" \
     > test-shard-b.log 2>&1 &
   pb=$!
   wait $pa || rc=$?
