@@ -51,9 +51,13 @@ def test_row_sum_long_row_invariant_and_negative_control():
     x = torch.randn(8, 100_000)
     for i in range(8):
         assert torch.equal(row_sum(x[i : i + 1]), row_sum(x)[i : i + 1])
-    if torch.get_num_threads() > 1:  # ATen splits a single long row across threads
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # ATen splits a single long row across threads (CI pins each shard to one core)
+    try:
         stock_diff = sum(int(not torch.equal(x[i : i + 1].sum(-1), x.sum(-1)[i : i + 1])) for i in range(8))
-        assert stock_diff > 0, "torch.sum of a single long row == the batched row everywhere: control broken"
+    finally:
+        torch.set_num_threads(threads)
+    assert stock_diff > 0, "torch.sum of a single long row == the batched row everywhere: control broken"
     torch.testing.assert_close(row_sum(x).double().squeeze(-1), x.double().sum(-1), rtol=1e-5, atol=1e-3)
 
 
@@ -83,11 +87,17 @@ def test_rms_norms():
 
 
 def test_torch_mean_negative_control():
-    # one row alone vs in a 64-row batch: stock mean reduces in another order, so some rows' bits differ (any one
-    # row can agree by chance; all 64 agreeing would mean the control shows nothing)
-    x = torch.randn(64, 151_936, generator=torch.Generator().manual_seed(0))
-    batched = x.mean(-1)
-    alone = torch.stack([x[i : i + 1].mean(-1)[0] for i in range(64)])
+    # one row alone vs in a 64-row batch: with two threads stock mean splits a lone row's reduction between them and
+    # a batch's by rows, so some rows' bits differ (any one row can agree by chance; all 64 agreeing would mean the
+    # control shows nothing). Two threads whatever the process was given (CI pins each shard to one core).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(64, 151_936, generator=torch.Generator().manual_seed(0))
+        batched = x.mean(-1)
+        alone = torch.stack([x[i : i + 1].mean(-1)[0] for i in range(64)])
+    finally:
+        torch.set_num_threads(threads)
     assert not torch.equal(alone, batched)
 
 
