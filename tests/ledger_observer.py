@@ -106,10 +106,11 @@ def describe_loaded() -> dict[str, dict[str, str]]:
             if mod is not None and (name == "vllm" or name.startswith("vllm."))}
 
 
-def _foreign(desc: str | None, vllm_dir: str) -> bool:
-    """Whether a patched-side description points at code or a class outside vLLM, or a registry record naming
-    vllm_bi: a change vLLM did not make to itself. (vLLM rebinds some kernels and fills caches and counters while it
-    serves; those point into vLLM or are plain values, and are not patches.)"""
+def _foreign(key: str, desc: str | None, vllm_dir: str) -> bool:
+    """Whether a patched-side description points at code or a class outside vLLM, or is a registry entry (``key``
+    ends in ``[...]``) naming vllm_bi: a change vLLM did not make to itself. (vLLM rebinds some kernels and fills
+    caches and counters while it serves; those point into vLLM or are plain values, and are not patches. It also keeps
+    the stack that first initialised its platform, which runs through the plugin, as a plain string.)"""
     if desc is None:
         return False
     if desc.startswith(("staticmethod:", "classmethod:", "property:")):
@@ -118,7 +119,7 @@ def _foreign(desc: str | None, vllm_dir: str) -> bool:
         return not desc.startswith(("class:vllm.", "class:builtins."))
     if ".py:" in desc:
         return not os.path.abspath(desc.split(".py:")[0] + ".py").startswith(vllm_dir + os.sep)
-    return "vllm_bi" in desc
+    return key.endswith("]") and "vllm_bi" in desc
 
 
 def changed(pristine: dict, patched: dict, vllm_dir: str) -> set[str]:
@@ -130,9 +131,7 @@ def changed(pristine: dict, patched: dict, vllm_dir: str) -> set[str]:
         for k in set(a) | set(b):
             if a.get(k) == b.get(k):
                 continue
-            # a plain value naming vllm_bi counts only as a registry entry (vLLM keeps e.g. the stack that first
-            # initialised its platform, which runs through the plugin, as a string)
-            if _foreign(b.get(k), vllm_dir) and (k.endswith("]") or ".py:" in b[k] or "class:" in b[k]):
+            if _foreign(k, b.get(k), vllm_dir):
                 out.add(k)
     return out
 
