@@ -180,7 +180,7 @@ def main() -> int:
             server_args += shlex.split(args.stock_args)
         env = cpu_env(bi, extra_env)
         gdn = (env.get("VLLM_BI_GDN_MODE") or "recurrent") if bi else "stock"
-        gemm = (env.get("VLLM_BI_GEMM") or "fp64") if bi else "cuBLAS"
+        gemm = (env.get("VLLM_BI_GEMM") or "default (triton on CUDA, fp64 on CPU)") if bi else "cuBLAS"
         runner = model_runner(bi and gdn == "hybrid", env)
         t0 = time.time()
         print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)

@@ -4,9 +4,11 @@ a record of the CUDA sources it ran (``vllm_bi.gpu_gate``).
 
 The matrix: the three families (qwen3.5, qwen3-next, qwen3.5-moe) and a model with unusual head shapes (hidden 1536,
 GDN 4 key / 8 value heads, 48 experts top-6, 7 layers), each in every GDN mode CUDA serves (recurrent, chunk) with the
-default arithmetic; the named fast arithmetic (tuned Triton GEMM with the shipped H200 tile table, decode CUDA graphs
-where the mode allows them) in every mode on qwen3.5 and the unusual model; Qwen3.5-9B layer dimensions in the chunk
-and recurrent modes; and a stock-vLLM control that must differ. Prompts of 5-700 words, 2 samples each, 48 tokens.
+default arithmetic (``vllm_bi.settings.DEFAULT_PRESET``); the other of the two presets a CUDA user gets by name,
+``auto`` (Triton GEMM with the shipped H200 tile table, decode CUDA graphs where the mode allows them) or ``portable``
+(float64 GEMM, eager), whichever is not the default, in every mode on qwen3.5 and the unusual model;
+Qwen3.5-9B layer dimensions in the chunk and recurrent modes; and a stock-vLLM control that must differ. Prompts of
+5-700 words, 2 samples each, 48 tokens.
 
     python3 scripts/gpu_gate.py --out $OUT          # staged by scripts/gpu_run.sh install (docs/gpu.md): about 6 min
 
@@ -35,7 +37,10 @@ import gpu_suite as S  # noqa: E402
 # the hybrid mode is refused on CUDA (``patch.engine_config._refuse_hybrid_on_cuda``) since this gate measured it inexact there;
 # add it back with its fix
 MODES = ("recurrent", "chunk")
-FAST = {"gemm": "triton", "tiles": "h200-qwen3.5-9b", "graphs": "decode"}
+from vllm_bi.settings import DEFAULT_PRESET  # noqa: E402
+
+OTHER = "portable" if DEFAULT_PRESET == "auto" else "auto"  # the preset the default rows do not cover
+NAMED = {"default": {}, OTHER: {"preset": OTHER}}  # each arithmetic's settings (default: none set)
 # a fixed KV cache skips vLLM's start-up memory profiling, which fails when another job's server allocates or frees
 # meanwhile (half the servers of the first gate runs died so)
 MEM = "--gpu-memory-utilization 0.09 --kv-cache-memory-bytes 2147483648"
@@ -48,10 +53,11 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
     out = []
 
     def add(model_key, mode, arithmetic, stock=False, max_tokens=48):
-        extra = {} if arithmetic == "default" else dict(FAST, graphs="" if mode == "chunk" else FAST["graphs"])
+        extra = NAMED[arithmetic]
         name = (f"control: stock vLLM {model_key}" if stock
-                else f"{model_key} {mode} {arithmetic}" + (" (no graphs: refused in chunk mode)"
-                                                             if arithmetic == "fast" and mode == "chunk" else ""))
+                else f"{model_key} {mode} {arithmetic}" + (" (auto: eager decode in chunk mode)"
+                                                             if mode == "chunk" and "auto" in (arithmetic, DEFAULT_PRESET)
+                                                             and arithmetic != "portable" else ""))
         job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
                         mem=MEM, **extra)
         out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic}))
@@ -61,7 +67,7 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
             add(key, mode, "default")
     for key in ("qwen3.5", "qwen3.5-moe-odd"):
         for mode in MODES:
-            add(key, mode, "fast")
+            add(key, mode, OTHER)
     for mode in ("chunk", "recurrent"):
         add("qwen3.5-9b", mode, "default", max_tokens=32)
     add("qwen3.5-moe-odd", "recurrent", "default", stock=True)

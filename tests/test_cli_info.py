@@ -6,6 +6,7 @@ from vllm_bi.cli import _cmd_info
 def test_info_prints_the_gemm_tiles_and_graph_settings(monkeypatch, capsys):
     from vllm_bi.ops.gemm_configs import table_digest
 
+    monkeypatch.setenv("VLLM_BI_PRESET", "auto")
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
     monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "decode")
     _cmd_info(None)
@@ -15,8 +16,8 @@ def test_info_prints_the_gemm_tiles_and_graph_settings(monkeypatch, capsys):
     monkeypatch.delenv("VLLM_BI_CUDA_GRAPHS")
     _cmd_info(None)
     out = capsys.readouterr().out
-    assert "arithmetic on cpu: refused (" in out and "no-such-table" in out
-    assert "VLLM_BI_CUDA_GRAPHS = 'off' (default)" in out
+    assert "arithmetic on cuda: refused (" in out and "no-such-table" in out  # CPU: the float64 GEMM, no tiles
+    assert "VLLM_BI_CUDA_GRAPHS = 'auto' (default)" in out
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "fastest")
     _cmd_info(None)
     assert "settings: refused (VLLM_BI_GDN_MODE='fastest' is not a setting" in capsys.readouterr().out

@@ -33,10 +33,36 @@ def test_pipeline_parallel_refused():
         _check_parallelism(_config(pp=2), CPU)
 
 
+def test_the_default_under_tp_on_cuda_is_the_portable_arithmetic(monkeypatch):
+    """The fast default's Triton GEMM is refused under TP: the engine config turns the default preset into the
+    portable one there (in the environment its workers inherit), and leaves TP 1, CPU and a preset set by the
+    user alone."""
+    from vllm_bi.patch.engine_config import _auto_under_tp
+    from vllm_bi.settings import current, reload
+
+    monkeypatch.setenv("VLLM_BI_PRESET", "auto")
+    monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
+    reload()
+    for tp, platform in ((1, CUDA), (2, CPU)):
+        _auto_under_tp(SimpleNamespace(tensor_parallel_size=tp), platform)
+        assert current().preset == "auto" and current().gemm_on("cuda") == "triton"
+    _auto_under_tp(SimpleNamespace(tensor_parallel_size=2), CUDA)
+    assert current().preset == "portable" and current().gemm_on("cuda") == "fp64"
+    assert current().decode_graphs() == (False, "")
+    _check_parallelism(_config(tp=2), CUDA)
+    monkeypatch.setenv("VLLM_BI_PRESET", "fast")  # the user's choice stays, and TP then refuses its GEMM
+    reload()
+    _auto_under_tp(SimpleNamespace(tensor_parallel_size=2), CUDA)
+    assert current().preset == "fast"
+    with pytest.raises(BatchInvarianceConfigError, match="exact float64 GEMM"):
+        _check_parallelism(_config(tp=2), CUDA)
+
+
 def test_tp_on_cuda_with_the_op_library_only(monkeypatch):
     # dense TP=2 with the op library (the default) was measured on 2 H200s: trainer == server, bit for bit
     monkeypatch.delenv(UNVERIFIED_TP_ENV, raising=False)
     monkeypatch.delenv("VLLM_BI_CUDA_OPS", raising=False)
+    monkeypatch.setenv("VLLM_BI_PRESET", "portable")  # what the default becomes under TP on CUDA (above)
     _check_parallelism(_config(tp=2), CUDA)
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
     with pytest.raises(BatchInvarianceConfigError, match="op library only"):
@@ -50,8 +76,9 @@ def test_tp_on_cuda_with_the_op_library_only(monkeypatch):
 def test_tp_with_the_triton_gemm_refused(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
     with pytest.raises(BatchInvarianceConfigError, match="exact float64 GEMM"):
-        _check_parallelism(_config(tp=2), CPU)
-    _check_parallelism(_config(tp=1), CPU)
+        _check_parallelism(_config(tp=2), CUDA)
+    _check_parallelism(_config(tp=1), CUDA)
+    _check_parallelism(_config(tp=2), CPU)  # CPU tensors take the float64 GEMM whatever the setting
 
 
 def test_moe_with_expert_parallel_refused_on_cpu():
@@ -114,7 +141,7 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
         monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", value)
         assert cuda_graphs_requested() is want, value
     monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "full")
-    with pytest.raises(ValueError, match="VLLM_BI_CUDA_GRAPHS=.full. is not a setting; use one of off, decode"):
+    with pytest.raises(ValueError, match="VLLM_BI_CUDA_GRAPHS=.full. is not a setting; use one of auto, off, decode"):
         cuda_graphs_requested()
     monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "decode")
     # what a captured decode step cannot run, each named with its fix

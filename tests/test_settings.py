@@ -76,7 +76,9 @@ def test_the_check_catches_every_form_of_read():
 
 
 def test_precedence_env_over_preset_over_default():
-    assert S.Settings.from_env({}) == S.Settings()
+    default = S.Settings.from_env({})
+    assert default.preset == S.DEFAULT_PRESET and default.gdn_mode == "recurrent" and default.origin == tuple(
+        (k, "preset") for k in S.PRESETS[S.DEFAULT_PRESET])
     fast = S.Settings.from_env({"VLLM_BI_PRESET": "fast"})
     assert (fast.gemm, fast.gemm_configs, fast.cuda_graphs) == ("triton", "h200-qwen3.5-9b", "decode")
     assert fast.source("gemm") == "preset" and fast.source("gdn_mode") == "default"
@@ -84,14 +86,46 @@ def test_precedence_env_over_preset_over_default():
     assert (mixed.gemm, mixed.gdn_mode, mixed.gemm_configs) == ("fp64", "chunk", "h200-qwen3.5-9b")
     assert mixed.source("gemm") == "env" and mixed.source("gemm_configs") == "preset"
     # empty means unset; the graphs' old spellings of "off" still work
-    assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "", "VLLM_BI_NONFINITE_GUARD": ""}) == S.Settings()
+    assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "", "VLLM_BI_NONFINITE_GUARD": ""}) == default
     for off in ("", "0", "none", "off", "OFF"):
         assert S.Settings.from_env({"VLLM_BI_CUDA_GRAPHS": off}).cuda_graphs == "off"
+    portable = S.Settings.from_env({"VLLM_BI_PRESET": "portable"})
+    assert (portable.gemm, portable.cuda_graphs) == ("fp64", "off")
+
+
+def test_auto_is_fast_on_cuda_and_portable_on_cpu():
+    """The auto preset (the default, :data:`DEFAULT_PRESET`) and auto values resolve per device: CUDA gets the Triton GEMM with the shipped tile table and decode graphs,
+    CPU the float64 GEMM (CPU tensors never take the Triton one); the portable preset gives CUDA the CPU's
+    arithmetic back, and a fast server's dict differs from a portable trainer's (so the trainer refuses it)."""
+    d = S.Settings.from_env({"VLLM_BI_PRESET": "auto"})
+    assert (d.preset, d.gemm, d.gemm_configs, d.cuda_graphs) == ("auto", "auto", "auto", "auto")
+    cuda, cpu = d.arithmetic("cuda"), d.arithmetic("cpu")
+    assert cuda["gemm"] == "triton" and cpu["gemm"] == "fp64" and cpu["gemm_configs"] == "none"
+    shipped = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE})
+    assert cuda["gemm_configs"] == shipped.gemm_tiles() != "none"
+    assert S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "vllm"}).arithmetic("cuda")["gemm_configs"] == "none"
+    assert d.decode_graphs() == (True, "")
+    portable = S.Settings.from_env({"VLLM_BI_PRESET": "portable"})
+    assert portable.arithmetic("cuda")["gemm"] == "fp64" and portable.decode_graphs() == (False, "")
+    assert portable.arithmetic("cpu") == cpu
+    assert S.diff(cuda, portable.arithmetic("cuda"))[0] == ("gemm", "triton", "fp64")
+    assert "VLLM_BI_PRESET=portable" in S.describe_diff(cuda, portable.arithmetic("cuda"))
+
+
+def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
+    """auto never refuses: the chunk mode and --enforce-eager leave decode eager, with the reason; an explicit
+    decode is still asked for (and refused by the engine config where it cannot run)."""
+    chunk = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_PRESET": "auto"})
+    on, why = chunk.decode_graphs()
+    assert not on and "VLLM_BI_GDN_MODE=chunk" in why
+    assert S.Settings.from_env({"VLLM_BI_PRESET": "auto"}).decode_graphs(enforce_eager=True) == (False, "--enforce-eager")
+    assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_CUDA_GRAPHS": "decode"}).decode_graphs() == (
+        True, "")
 
 
 @pytest.mark.parametrize("env, match", [
     ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of recurrent, chunk, hybrid"),
-    ({"VLLM_BI_PRESET": "quick"}, "VLLM_BI_PRESET='quick' is not a setting; use one of portable, fast"),
+    ({"VLLM_BI_PRESET": "quick"}, "VLLM_BI_PRESET='quick' is not a setting; use one of auto, portable, fast"),
     ({"VLLM_BI_NONFINITE_GUARD": "maybe"}, "VLLM_BI_NONFINITE_GUARD='maybe' is not a setting; use 1 .on. or 0"),
 ])
 def test_a_bad_value_is_one_line_naming_the_variable_and_the_choices(env, match):

@@ -8,8 +8,11 @@ Precedence: a variable that is set wins over a trainer config's ``[settings]`` s
 the section over the preset ``VLLM_BI_PRESET`` names, and the preset over the default.
 Presets:
 
+- ``auto`` (to become the default once a GPU gate has run it as one): every setting at its ``auto`` value, resolved per device: on CUDA at tensor parallel size
+  1 the fast arithmetic (Triton GEMM with the shipped tile table, decode CUDA graphs where the GDN mode allows them),
+  elsewhere (CPU, CUDA with TP > 1) the portable one. The server's start-up resolves it and logs what it chose;
 - ``portable`` (the default): the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM
-  accumulation, eager decode);
+  accumulation, eager decode); the CPU's arithmetic;
 - ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
   decode CUDA graphs); CUDA only.
 
@@ -44,21 +47,28 @@ class _Spec:
         return PREFIX + self.name.upper()
 
 
+# The preset a process gets when VLLM_BI_PRESET is unset. portable until a GPU gate has run the tree with auto (fast
+# on CUDA at TP 1, portable elsewhere) as the default: a change here changes CUDA's bits (vllm_bi.gpu_gate).
+DEFAULT_PRESET = "portable"
+
 SETTINGS = (
-    _Spec("preset", "portable", ("portable", "fast"), "a named set of the settings below (explicit variables win)"),
+    _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
+          "a named set of the settings below (explicit variables win); auto: fast on CUDA at TP 1, portable elsewhere"),
     _Spec("gdn_mode", "recurrent", ("recurrent", "chunk", "hybrid"),
           "GDN arithmetic: the recurrence, 64-row blocks (chunk), or a prompt's whole blocks in chunks (hybrid; refused on "
           "CUDA); docs/gdn-modes.md"),
     _Spec("cuda_ops", "vllm_bi", ("vllm_bi", "vllm"),
           "CUDA kernels: the trainer's op library, or vLLM's own batch-invariant ones (serving only, no parity)"),
-    _Spec("gemm", "fp64", ("fp64", "triton"),
-          "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA)"),
-    _Spec("gemm_configs", "", None, "the Triton GEMM's tile table: a JSON file or a shipped table's name (h200-qwen3.5-9b); unset: vLLM's "
-          "tiles"),
+    _Spec("gemm", "auto", ("auto", "fp64", "triton"),
+          "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA); "
+          "auto: triton on CUDA, fp64 on CPU"),
+    _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
+          "(h200-qwen3.5-9b) or vllm (vLLM's own tiles); auto: the shipped table"),
     _Spec("attention", "auto", ("auto", "torch", "triton"), "attention op: auto is Triton on CUDA, torch on CPU"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
-    _Spec("cuda_graphs", "off", ("off", "decode"), "decode: capture decode steps in CUDA graphs (CUDA)"),
+    _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
+          "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
     _Spec("debug_nonfinite", False, (True, False),
           "every GDN layer checks its values and logs the first non-finite one (host reads: debugging only)"),
@@ -67,7 +77,8 @@ SETTINGS = (
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
-    "portable": {},
+    "auto": {},
+    "portable": {"gemm": "fp64", "cuda_graphs": "off"},
     "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
@@ -102,14 +113,14 @@ def _parse(spec: _Spec, raw: str, origin: str):
 class Settings:
     """One process's vllm_bi settings (validated; see the module doc)."""
 
-    preset: str = "portable"
+    preset: str = DEFAULT_PRESET
     gdn_mode: str = "recurrent"
     cuda_ops: str = "vllm_bi"
-    gemm: str = "fp64"
-    gemm_configs: str = ""
+    gemm: str = "auto"
+    gemm_configs: str = "auto"
     attention: str = "auto"
     moe: str = "auto"
-    cuda_graphs: str = "off"
+    cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False
     allow_unverified_device: bool = False
@@ -123,7 +134,7 @@ class Settings:
         env = os.environ if environ is None else environ
         values, origin = {}, []
         raw = env.get(_BY_NAME["preset"].env, "").strip()
-        preset = _parse(_BY_NAME["preset"], raw, _BY_NAME["preset"].env) if raw else "portable"
+        preset = _parse(_BY_NAME["preset"], raw, _BY_NAME["preset"].env) if raw else DEFAULT_PRESET
         values["preset"] = preset
         for name, value in PRESETS[preset].items():
             values[name] = value
@@ -167,6 +178,12 @@ class Settings:
             return "triton" if device == "cuda" else "loop"
         return self.moe
 
+    def gemm_on(self, device: str) -> str:
+        """The GEMM arithmetic on ``device`` (``fp64`` or ``triton``; CPU tensors always take float64)."""
+        if device != "cuda":
+            return "fp64"
+        return "triton" if self.gemm == "auto" else self.gemm
+
     def ops(self, device: str) -> str:
         """The op set a server on ``device`` runs (CPU: always the op library)."""
         return self.cuda_ops if device == "cuda" else "vllm_bi"
@@ -175,8 +192,10 @@ class Settings:
         """The tile table file ``gemm_configs`` names (a path, or the name of a table shipped with vllm_bi in
         ``vllm_bi/ops/gemm_tiles/``); ``None`` when unset."""
         value = self.gemm_configs
-        if not value:
+        if value in ("", "vllm"):
             return None
+        if value == "auto":
+            value = DEFAULT_GEMM_TABLE
         if os.sep in value or value.endswith(".json") or os.path.exists(value):
             return value
         if value in builtin_tables():
@@ -198,9 +217,22 @@ class Settings:
     def arithmetic(self, device: str) -> dict:
         """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal
         (:func:`diff`)."""
-        return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": self.gemm,
-                "gemm_configs": self.gemm_tiles(), "attention": self.attention_op(device),
+        gemm = self.gemm_on(device)
+        return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
+                "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none", "attention": self.attention_op(device),
                 "moe": self.moe_path(device)}
+
+    def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
+        """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``
+        always asks for capture (the engine config then refuses what cannot be captured); ``auto`` captures unless
+        :meth:`graph_blockers` names something (MoE counted as present: the host-grouped loop path blocks) or
+        ``--enforce-eager`` is given."""
+        if self.cuda_graphs != "auto":
+            return self.cuda_graphs == "decode", ""
+        why = self.graph_blockers(has_moe=True)
+        if enforce_eager:
+            why.append("--enforce-eager")
+        return not why, "; ".join(why)
 
     def graph_blockers(self, has_moe: bool) -> list[str]:
         """What keeps a CUDA decode step from being captured under these settings (and a model with MoE layers or
@@ -215,13 +247,14 @@ class Settings:
             why.append("VLLM_BI_CUDA_OPS=vllm (vLLM's own kernels: not planned for capture here)")
         if has_moe and self.moe_path("cuda") == "loop":
             why.append("MoE layers with VLLM_BI_MOE=loop (experts grouped on the host; use exact or triton)")
-        if why and self.source("cuda_graphs") == "preset":
+        if why and self.source("cuda_graphs") == "preset" and self.cuda_graphs == "decode":
             why.append(f"(VLLM_BI_CUDA_GRAPHS=decode came from VLLM_BI_PRESET={self.preset}; set "
                        "VLLM_BI_CUDA_GRAPHS=off to keep the preset's other settings)")
         return why
 
 
 BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")
+DEFAULT_GEMM_TABLE = "h200-qwen3.5-9b"  # the tile table VLLM_BI_GEMM_CONFIGS=auto names
 
 
 def builtin_tables() -> list[str]:
@@ -264,6 +297,10 @@ def describe_diff(server: dict, mine: dict, theirs: str = "the server", ours: st
     if not rows:
         return None
     key, a, b = rows[0]
+    if key == "gemm":
+        return (f"{theirs}'s {_LABEL[key]} is {a!r}, {ours}'s {b!r}: set VLLM_BI_GEMM to the same value on both sides "
+                "(VLLM_BI_PRESET=portable on both gives the float64 GEMM, the CPU's and a server's under tensor "
+                "parallelism; VLLM_BI_PRESET=fast on both the Triton one)")
     if key == "ops" and a != "vllm_bi":
         return (f"{theirs} runs vLLM's own batch-invariant CUDA kernels (VLLM_BI_CUDA_OPS={a}): its serving is "
                 "batch-invariant, but the trainer's ops give other bits; restart it without VLLM_BI_CUDA_OPS "

@@ -48,8 +48,13 @@ def test_install_puts_the_tiles_in_vllms_lookup(tmp_path, monkeypatch):
 
 
 def test_digest_names_the_file_and_none_without_one(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_BI_GEMM_CONFIGS", raising=False)
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "vllm")  # vLLM's own tiles
     assert G.table_digest() == "none" and G.install_gemm_configs() == "none"
+    monkeypatch.delenv("VLLM_BI_GEMM_CONFIGS")  # unset: the shipped table (auto)
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
+    shipped = G.table_digest()
+    monkeypatch.delenv("VLLM_BI_GEMM_CONFIGS")
+    assert G.table_digest() == shipped != "none"
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, TABLE, "a.json"))
     a = G.table_digest()
     other = dict(TABLE, device="other")
@@ -81,7 +86,7 @@ def test_trainer_refuses_a_server_with_other_tiles(tmp_path, monkeypatch):
 
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", write(tmp_path, TABLE))
-    info = {"gdn_mode": "recurrent", "gemm": "triton", "ops": "vllm_bi", "gemm_configs": "none"}
+    info = {"gdn_mode": "recurrent", "gemm": "triton", "ops": "vllm_bi", "gemm_configs": "none", "device": "cuda"}
     assert "VLLM_BI_GEMM_CONFIGS" in settings_mismatch(info)
     assert settings_mismatch(dict(info, gemm_configs=G.table_digest())) is None
 

@@ -16,11 +16,14 @@ from vllm_bi.parity import settings_mismatch
 
 def test_mode_switch(monkeypatch):
     monkeypatch.delenv("VLLM_BI_GEMM", raising=False)
-    assert gemm_mode() == "fp64"
+    monkeypatch.setenv("VLLM_BI_PRESET", "auto")
+    assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("triton", "fp64")  # auto: fast on CUDA, exact on CPU
+    monkeypatch.setenv("VLLM_BI_GEMM", "fp64")
+    assert gemm_mode("cuda") == "fp64"
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
-    assert gemm_mode() == "triton"
+    assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("triton", "fp64")
     monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
-    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cublas' is not a setting; use one of fp64, triton"):
+    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cublas' is not a setting; use one of auto, fp64, triton"):
         gemm_mode()
 
 

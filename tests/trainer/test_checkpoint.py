@@ -184,3 +184,18 @@ def test_two_fsdp2_processes_save_shards_and_one_process_resumes_them(model_dir,
                 assert torch.equal(d["optim"][n][k], ref["optim"][n][k]), (name, n, k)
     meta = json.loads((tmp_path / "fsdp" / "checkpoint" / "meta.json").read_text())
     assert meta["world_size"] == 2
+
+
+def test_a_run_from_before_the_fast_cuda_default_is_refused_with_the_portable_fix(tmp_path):
+    """A CUDA run checkpointed under the float64 GEMM (CUDA's default before the fast arithmetic) and resumed under
+    the Triton one: refused in one line naming VLLM_BI_PRESET=portable and a fresh start; the portable settings
+    resume it (control)."""
+    from vllm_bi.settings import Settings
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    old = Settings.from_env({"VLLM_BI_PRESET": "portable"}).arithmetic("cuda")
+    now = Settings.from_env({"VLLM_BI_PRESET": "auto"}).arithmetic("cuda")
+    with pytest.raises(TrainerError) as e:
+        check_resume_settings(str(tmp_path), old, now)
+    assert "\n" not in str(e.value) and "VLLM_BI_PRESET=portable" in str(e.value) and "--resume false" in str(e.value)
+    check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_PRESET": "portable"}).arithmetic("cuda"))

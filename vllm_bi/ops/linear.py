@@ -11,8 +11,9 @@ sums are within one float64 ulp of exact, and the single rounding to fp32
 hides that except on an exact rounding tie.)
 
 On CUDA the float64 GEMM costs 12-13x cuBLAS bf16 at large M (the H200's fp64/bf16 tensor throughput
-ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``). ``VLLM_BI_GEMM=triton`` (experimental, CUDA; 1.0-2.0x
-cuBLAS at Qwen3.5-9B's shapes with the H200 tiles shipped as ``VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b``) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
+ratio; ``docs/results/2026-11-29-h200-bi-gemm.md``), and it is the ``portable`` preset's. CUDA's default
+(``VLLM_BI_GEMM=auto`` -> ``triton``; 1.0-2.0x cuBLAS at Qwen3.5-9B's shapes with the H200 tiles shipped as
+``h200-qwen3.5-9b``, the default table) computes bf16 x bf16 -> bf16 products instead with vLLM's batch-invariant Triton persistent matmul
 (fixed tiles, no split-K, one shape-wide BLOCK_K: a row's bits cannot depend on M). Server and trainer then
 share that kernel; both must set the same mode (``vllm_bi_info`` reports it; ``vllm-bi parity`` checks it).
 Its tiles per weight shape and batch-size bucket can be tuned (``VLLM_BI_GEMM_CONFIGS``, :mod:`.gemm_configs`).
@@ -30,13 +31,13 @@ import torch
 __all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm"]
 
 
-def gemm_mode() -> str:
-    """``VLLM_BI_GEMM``: ``fp64`` (default: exact float64 accumulation) or ``triton`` (CUDA bf16/fp16 GEMMs
-    through vLLM's batch-invariant persistent matmul; experimental). Server and trainer must agree
-    (:mod:`vllm_bi.settings`)."""
+def gemm_mode(device: str = "cuda") -> str:
+    """The GEMM arithmetic on ``device``: ``fp64`` (exact float64 accumulation; CPU tensors always) or ``triton``
+    (CUDA bf16/fp16 GEMMs through vLLM's batch-invariant persistent matmul; the CUDA default). ``VLLM_BI_GEMM``
+    chooses; server and trainer must agree (:mod:`vllm_bi.settings`)."""
     from vllm_bi.settings import current
 
-    return current().gemm
+    return current().gemm_on(device)
 
 
 class _PersistentLinear(torch.autograd.Function):

@@ -5,9 +5,11 @@ runs once, in the process that builds the engine, before any model is loaded:
 
 - the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
 - speculative decoding is refused;
-- CPU runs eagerly (torch.compile would re-fuse the ops); CUDA runs eagerly unless ``VLLM_BI_CUDA_GRAPHS=decode``
-  (then decode steps are captured, :func:`_check_graphs`), with TRITON_ATTN as the attention backend when none
-  is chosen;
+- CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
+  ``VLLM_BI_CUDA_GRAPHS`` resolves to ``decode`` (:meth:`vllm_bi.settings.Settings.decode_graphs`,
+  :func:`_check_graphs`) and runs every other step eagerly, with TRITON_ATTN as the attention backend when none
+  is chosen; one log line says which arithmetic the defaults resolved to;
+- the default preset under tensor parallelism on CUDA becomes the portable one (:func:`_auto_under_tp`);
 - every ``VLLM_BI_*`` value is validated (:mod:`vllm_bi.settings`), and the op settings' tables are read;
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
@@ -18,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 from vllm_bi.settings import current as current_settings
+from vllm_bi.settings import reload as reload_settings
 
 __all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config"]
 
@@ -75,10 +79,18 @@ def wrap_create_engine_config(orig):
                     "measured with TRITON_ATTN on CUDA", chosen,
                 )
         try:
+            _auto_under_tp(self, current_platform)
             settings = current_settings()  # every VLLM_BI_* value checked once, here, at start-up
         except ValueError as e:
             raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
-        graphs = current_platform.is_cuda() and settings.cuda_graphs == "decode"
+        graphs, eager_why = settings.decode_graphs(bool(self.enforce_eager))
+        graphs = graphs and current_platform.is_cuda()
+        if current_platform.is_cuda():
+            logger.warning("vllm_bi: arithmetic on CUDA: GEMM %s%s, decode %s (VLLM_BI_PRESET=%s; `vllm-bi info` "
+                           "lists every setting)", settings.gemm_on("cuda"),
+                           f" (tiles {settings.gemm_configs})" if settings.gemm_on("cuda") == "triton" else "",
+                           "in CUDA graphs" if graphs else f"eager ({eager_why or 'VLLM_BI_CUDA_GRAPHS=off'})",
+                           settings.preset)
         if graphs:
             if self.enforce_eager:
                 raise BatchInvarianceConfigError(
@@ -87,16 +99,12 @@ def wrap_create_engine_config(orig):
 
             self.compilation_config.mode = CompilationMode.NONE  # no torch.compile: it would re-fuse the ops
             self.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
-            logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS=decode: decode steps captured in CUDA graphs, prefills "
-                           "eager (experimental: check with `vllm-bi parity`)")
-        elif current_platform.is_cpu() and settings.cuda_graphs != "off":
+            logger.info("vllm_bi: decode steps captured in CUDA graphs, prefills eager")
+        elif current_platform.is_cpu() and settings.cuda_graphs == "decode":
             logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS applies to CUDA only; ignored on CPU (eager)")
         elif current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
-            logger.warning(
-                "vllm_bi: batch invariance on CUDA: eager mode (the BI glue plans steps on the host; "
-                "VLLM_BI_CUDA_GRAPHS=decode captures decode steps, experimental)"
-            )
+            logger.info("vllm_bi: batch invariance on CUDA: eager steps")
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
         _check_op_settings(current_platform)
@@ -105,6 +113,20 @@ def wrap_create_engine_config(orig):
         return config
 
     return create_engine_config
+
+
+def _auto_under_tp(args, platform) -> None:
+    """``VLLM_BI_PRESET=auto`` (the default) under tensor parallelism on CUDA means the portable arithmetic: the
+    Triton GEMM is refused there (its row-parallel partials would not be the trainer's unsharded GEMM) and decode
+    graphs were never measured with TP. The choice goes into this process's environment, so the engine's workers
+    and their ``vllm_bi_info`` report it; a variable the user set still wins."""
+    tp = int(getattr(args, "tensor_parallel_size", 1) or 1)
+    if not platform.is_cuda() or tp == 1 or current_settings().preset != "auto":
+        return
+    os.environ["VLLM_BI_PRESET"] = "portable"
+    reload_settings()
+    logger.warning("vllm_bi: tensor parallel size %d on CUDA: the portable arithmetic (float64 GEMM, eager "
+                   "decode) instead of the fast default; the trainer needs VLLM_BI_PRESET=portable too", tp)
 
 
 def _hybrid_prefix_caching(args) -> None:
@@ -173,9 +195,8 @@ def _check_op_settings(platform) -> None:
     except (ValueError, RuntimeError) as e:
         raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
     logger.info("vllm_bi: attention op %s (VLLM_BI_ATTENTION)", op)
-    if tiles:
-        logger.info("vllm_bi: Triton GEMM tiles for %d weight shapes (%s) from %s%s", len(shapes), arch, tiles,
-                    "" if gemm_mode() == "triton" else "; unused: VLLM_BI_GEMM is not 'triton'")
+    if tiles and gemm_mode("cuda" if platform.is_cuda() else "cpu") == "triton":
+        logger.info("vllm_bi: Triton GEMM tiles for %d weight shapes (%s) from %s", len(shapes), arch, tiles)
 
 
 def _check_parallelism(config, platform) -> None:
@@ -206,10 +227,11 @@ def _check_parallelism(config, platform) -> None:
             "exact partial sums); set it (the CPU default) or use --tensor-parallel-size 1.")
     from vllm_bi.ops.linear import gemm_mode
 
-    if gemm_mode() != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM
+    gemm = gemm_mode("cuda" if platform.is_cuda() else "cpu")
+    if gemm != "fp64":  # row-parallel partials are summed exactly in float64; the trainer's TP=1 GEMM
         raise BatchInvarianceConfigError(  # would be the Triton one: other bits
-            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) needs the exact float64 GEMM; unset "
-            f"VLLM_BI_GEMM (it is {gemm_mode()!r}) or use --tensor-parallel-size 1.")
+            f"vllm_bi: tensor parallelism (--tensor-parallel-size {tp}) needs the exact float64 GEMM; set "
+            f"VLLM_BI_GEMM=fp64 (it is {gemm!r}) or use --tensor-parallel-size 1.")
     hf = config.model_config.hf_text_config
     gdn_heads = {n: int(getattr(hf, n, 0) or 0) for n in ("linear_num_key_heads", "linear_num_value_heads")}
     uneven = {n: h for n, h in gdn_heads.items() if h and h % tp}

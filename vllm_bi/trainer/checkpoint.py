@@ -46,6 +46,11 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
     rows = diff(saved or {}, now)
     if rows:
         key, a, b = rows[0]
+        if key == "gemm" and a == "fp64":  # a run from before the fast arithmetic became CUDA's default
+            raise TrainerError(f"{run_dir} holds a checkpoint made with the float64 GEMM, this process runs the "
+                               f"{b!r} one (the CUDA default since the fast arithmetic became it): set "
+                               "VLLM_BI_PRESET=portable for this run and its server, or use --resume false (or "
+                               "another --run-dir) to start over")
         raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={a!r}, this process runs {b!r}: set "
                            f"{ARITHMETIC_ENV[key]} as the run had it, or use --resume false (or another --run-dir) to "
                            "start over")

@@ -1,0 +1,290 @@
+"""Benchmark: stock vLLM against vllm_bi's defaults on one full-size checkpoint, side by side in one run.
+
+    python benchmarks/full_scale.py --model /tmp/ckpt/9b [--part serve|parity|all] [--window 15] [--out table.md]
+
+The checkpoint is a real-size one (``vllm-bi make-checkpoint qwen3.5-9b DIR``: the published config, random
+weights). Parts:
+
+* ``serve``: for each side (``stock``: ``VLLM_BATCH_INVARIANT=0``; ``vllm_bi``: ``VLLM_BATCH_INVARIANT=1`` and no other
+  setting, so the defaults) one ``vllm serve`` with the same arguments, then, over fixed windows of wall time
+  (``--window`` seconds; a request still running at the end is waited for and counted):
+
+  - prefill: 64 clients each sending 1K-token prompts with ``max_tokens=1`` back to back -> prompt tokens/s;
+  - decode at 64 and at 256 clients: 1K-token prompts, 128 generated tokens each (EOS ignored), back to back ->
+    generated tokens/s of wall time, and the mean time per output token from the server's own histogram
+    (``vllm:inter_token_latency_seconds``);
+  - an RL-shaped load: one wave of 64 prompts x 8 samples (512-token prompts, 256 tokens at temperature 1, a seed
+    per sample) -> generated tokens/s over the wave;
+  - memory: the KV-cache size and the maximum concurrency the server's start-up log reports for its
+    ``--max-model-len``, and the device's peak used memory (``nvidia-smi``) over the side's run.
+
+  Every phase is preceded by an unmeasured warm-up with the same shapes (Triton compiles per batch shape).
+* ``parity``: ``vllm-bi parity`` on the checkpoint under the defaults: 16 prompts x 4 samples x 128 tokens,
+  every token bitwise.
+
+Ratios are vllm_bi / stock (time per token, or stock / vllm_bi for throughputs: how many times slower), within one
+run: the machine is shared, and ratios hold only within a run. Rows are written as they come (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+# every deviation from vLLM 0.32's own defaults, applied to both sides: the offline GPU bundle has no FlashInfer
+# (its GDN prefill backend and its sampler: VLLM_USE_FLASHINFER_SAMPLER=0 comes from scripts/gpu_run.sh)
+DEVIATIONS = "--gdn-prefill-backend triton"
+SERVER_ARGS = "--gpu-memory-utilization 0.85 --max-model-len 4096 --max-num-seqs 256"
+_KV = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_KV_MEM = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+
+
+def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+class PeakMemory:
+    """The device's peak used memory (MiB, ``nvidia-smi``) while the block runs; None without ``nvidia-smi``."""
+
+    def __init__(self, period: float = 0.5):
+        self.period, self.peak, self._stop = period, None, threading.Event()
+
+    def _poll(self):
+        while not self._stop.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10).stdout.split()
+                used = max(int(x) for x in out)
+                self.peak = used if self.peak is None else max(self.peak, used)
+            except (OSError, ValueError, subprocess.SubprocessError):
+                return
+            self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._t = threading.Thread(target=self._poll, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(timeout=15)
+
+
+def _itl(srv) -> tuple[float, float]:
+    m = srv.metrics()
+    s = sum(v for k, v in m.items() if k.split("{")[0] == "vllm:inter_token_latency_seconds_sum")
+    c = sum(v for k, v in m.items() if k.split("{")[0] == "vllm:inter_token_latency_seconds_count")
+    return s, c
+
+
+def closed_loop(srv, clients: int, window: float, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> dict:
+    """``clients`` threads each sending one request after another for ``window`` seconds -> tokens per second of
+    wall time (prompt tokens when ``max_tokens`` is 1, else generated tokens) and the mean inter-token latency."""
+    rng = random.Random(seed)
+    pool = _prompts(clients * 4, prompt_len, vocab, rng)
+    lock = threading.Lock()
+    done = {"prompt": 0, "gen": 0, "requests": 0}
+    s0, c0 = _itl(srv)
+    t0 = time.perf_counter()
+    deadline = t0 + window
+
+    def client(i):
+        k = 0
+        while time.perf_counter() < deadline:
+            p = pool[(i + k * clients) % len(pool)]
+            p = [p[0] + 1 + (k % 7)] + p[1:] if k else p  # another first token: no prefix hit between repeats
+            c = srv.complete(p, max_tokens=max_tokens)
+            k += 1
+            with lock:
+                done["prompt"] += len(p)
+                done["gen"] += len(c.token_ids)
+                done["requests"] += 1
+
+    with ThreadPoolExecutor(clients) as ex:
+        list(ex.map(client, range(clients)))
+    wall = time.perf_counter() - t0
+    s1, c1 = _itl(srv)
+    tokens = done["prompt"] if max_tokens == 1 else done["gen"]
+    return {"tok_s": tokens / wall, "wall_s": wall, "requests": done["requests"], "tokens": tokens,
+            "tpot_ms": 1000 * (s1 - s0) / (c1 - c0) if c1 > c0 else None}
+
+
+def rl_wave(srv, prompts: int, samples: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> dict:
+    """One RL step's rollout: ``prompts`` x ``samples`` requests at once (temperature 1, a seed per sample)."""
+    rng = random.Random(seed)
+    ps = _prompts(prompts, prompt_len, vocab, rng)
+    reqs = [dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=seed * 100003 + i * samples + j)
+            for i, p in enumerate(ps) for j in range(samples)]
+    t0 = time.perf_counter()
+    out = srv.complete_many(reqs, workers=len(reqs))
+    wall = time.perf_counter() - t0
+    gen = sum(len(c.token_ids) for c in out)
+    return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen}
+
+
+def serve_side(side: str, model: str, server_args: str, window: float, vocab: int, log_dir: str) -> dict:
+    from vllm_bi.launcher import VllmServer, cpu_env
+
+    bi = side == "vllm_bi"
+    env = cpu_env(bi)
+    if bi:  # the defaults: no VLLM_BI_* setting reaches the server
+        for k in [k for k in env if k.startswith("VLLM_BI_")]:
+            del env[k]
+    args = shlex.split(server_args) + shlex.split(DEVIATIONS)
+    log_path = os.path.join(log_dir, f"server-{side}.log")
+    r: dict = {"side": side}
+    t0 = time.time()
+    with PeakMemory() as mem:
+        with VllmServer(model, batch_invariant=bi, args=args, env=env, startup_timeout=480, log_path=log_path) as srv:
+            r["startup_s"] = time.time() - t0
+            print(f"[full-scale] {side}: up in {r['startup_s']:.0f} s", flush=True)
+            srv.complete_many([dict(prompt_ids=p, max_tokens=4) for p in _prompts(128, 1024, vocab,
+                                                                                  random.Random(1))], workers=128)
+            rl_wave(srv, 8, 8, 512, 8, vocab, seed=2)  # warm-up: every phase's shapes, unmeasured
+            r["prefill"] = closed_loop(srv, 64, window, 1024, 1, vocab, seed=10)
+            print(f"[full-scale] {side}: prefill {r['prefill']['tok_s']:.0f} tok/s", flush=True)
+            for c in (64, 256):
+                r[f"decode{c}"] = closed_loop(srv, c, window, 1024, 128, vocab, seed=20 + c)
+                print(f"[full-scale] {side}: decode at {c}: {r[f'decode{c}']['tok_s']:.0f} tok/s, TPOT "
+                      f"{r[f'decode{c}']['tpot_ms']} ms", flush=True)
+            r["rl"] = rl_wave(srv, 64, 8, 512, 256, vocab, seed=30)
+            print(f"[full-scale] {side}: RL wave {r['rl']['tok_s']:.0f} tok/s in {r['rl']['wall_s']:.1f} s",
+                  flush=True)
+    r["peak_mem_mib"] = mem.peak
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    kv = _KV.search(text)
+    if kv:
+        r["kv_tokens"], r["kv_max_len"], r["max_concurrency"] = (int(kv[1].replace(",", "")),
+                                                                 int(kv[2].replace(",", "")), float(kv[3]))
+    km = _KV_MEM.search(text)
+    r["kv_mem_gib"] = float(km[1]) if km else None
+    arith = [ln.split("vllm_bi: ", 1)[1].strip() for ln in text.splitlines() if "vllm_bi: arithmetic on CUDA" in ln]
+    r["arithmetic"] = arith[0] if arith else ("stock vLLM" if not bi else "?")
+    return r
+
+
+def serve_table(rows: list[dict]) -> list[str]:
+    def get(r, *path):
+        for p in path:
+            r = r.get(p) if isinstance(r, dict) else None
+        return r
+
+    metrics = [("prefill tok/s (64 clients, 1K prompts)", ("prefill", "tok_s"), "thr"),
+               ("generation tok/s at 64 (1K prompts, 128 tokens)", ("decode64", "tok_s"), "thr"),
+               ("TPOT ms at 64", ("decode64", "tpot_ms"), "time"),
+               ("generation tok/s at 256", ("decode256", "tok_s"), "thr"),
+               ("TPOT ms at 256", ("decode256", "tpot_ms"), "time"),
+               ("RL wave tok/s (64 prompts x 8, 512 + 256 tokens)", ("rl", "tok_s"), "thr"),
+               ("RL wave wall s", ("rl", "wall_s"), "time"),
+               ("KV cache tokens", ("kv_tokens",), "thr"),
+               ("max concurrency at max-model-len", ("max_concurrency",), "thr"),
+               ("KV cache memory GiB", ("kv_mem_gib",), "none"),
+               ("peak device memory MiB", ("peak_mem_mib",), "none"),
+               ("server start s", ("startup_s",), "none")]
+    by = {r["side"]: r for r in rows}
+    out = ["| metric | stock | vllm_bi | vllm_bi cost |", "| --- | ---: | ---: | ---: |"]
+    for label, path, kind in metrics:
+        a, b = get(by.get("stock", {}), *path), get(by.get("vllm_bi", {}), *path)
+        cell = lambda v: "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")  # noqa: E731
+        ratio = ""
+        if a and b and kind == "thr":
+            ratio = f"{a / b:.2f}x slower" if label.endswith("tok/s") or "tok/s" in label else f"{b / a:.2f}x of stock"
+        elif a and b and kind == "time":
+            ratio = f"{b / a:.2f}x"
+        out.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
+    for r in rows:
+        out.append(f"\n{r['side']}: {r.get('arithmetic', '')}")
+    return out
+
+
+def parity_part(model: str, out_dir: str, server_args: str) -> dict:
+    """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens."""
+    rng = random.Random(7)
+    words = ("the of and a to in is you that it he was for on are as with his they at be this have from or one had "
+             "by word but not what all were we when your can said there use an each which she do how their if will "
+             "up other about out many then them these so some her would make like him into time has look two more").split()
+    path = os.path.join(out_dir, "parity-prompts.jsonl")
+    with open(path, "w") as f:
+        for i in range(16):
+            n = [5, 40, 200, 600][i % 4] + rng.randrange(20)
+            f.write(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI_")}
+    argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--prompts", path, "--n", "4",
+            "--max-tokens", "128", "--json", "--trainer-device", "cuda", "--server-args",
+            f"--gpu-memory-utilization 0.45 --max-model-len 2048 {DEVIATIONS}"]
+    t0 = time.time()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=540)
+    with open(os.path.join(out_dir, "parity.log"), "w") as f:
+        f.write(p.stdout + "\n---- stderr\n" + p.stderr)
+    try:
+        rep = json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        rep = {"error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    rep["exit"], rep["seconds"] = p.returncode, round(time.time() - t0)
+    return rep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a full-size checkpoint (vllm-bi make-checkpoint)")
+    ap.add_argument("--part", default="serve", choices=["serve", "parity", "all"])
+    ap.add_argument("--sides", default="stock,vllm_bi", help="comma-separated: stock, vllm_bi (serve part)")
+    ap.add_argument("--window", type=float, default=15.0, help="seconds of wall time per measured phase")
+    ap.add_argument("--server-args", default=SERVER_ARGS, help="`vllm serve` arguments for both sides")
+    ap.add_argument("--out", default="full_scale.md", help="the table (rewritten as rows come)")
+    args = ap.parse_args()
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        ap.error(f"{args.model}: no config.json; write one with `vllm-bi make-checkpoint qwen3.5-9b {args.model}`")
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if set(sides) - {"stock", "vllm_bi"}:
+        ap.error(f"--sides: unknown {sorted(set(sides) - {'stock', 'vllm_bi'})}; use stock, vllm_bi")
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(args.model).get_text_config()
+    head = [f"# stock vLLM vs vllm_bi defaults, {args.model} ({cfg.num_hidden_layers} layers, hidden "
+            f"{cfg.hidden_size}, vocab {cfg.vocab_size:,})", "", "command: " + shlex.join([sys.executable, *sys.argv]),
+            "", f"both sides: `vllm serve {args.server_args} {DEVIATIONS}`; VLLM_USE_FLASHINFER_SAMPLER="
+            f"{os.environ.get('VLLM_USE_FLASHINFER_SAMPLER', '(unset)')}; window {args.window:.0f} s per phase", ""]
+    rows: list[dict] = []
+    parity: dict | None = None
+
+    def write():
+        text = head + (serve_table(rows) if rows else [])
+        if parity is not None:
+            text += ["", "## trainer parity at full size (`vllm-bi parity`, defaults, 16 prompts x 4 x 128 tokens)",
+                     "", "```", json.dumps(parity, indent=1), "```"]
+        with open(args.out, "w") as f:
+            f.write("\n".join(text) + "\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump({"serve": rows, "parity": parity}, f, indent=1)
+
+    if args.part in ("serve", "all"):
+        for side in sides:
+            try:
+                rows.append(serve_side(side, args.model, args.server_args, args.window, cfg.vocab_size, out_dir))
+            except Exception as e:  # noqa: BLE001 - recorded, the next side still runs
+                rows.append({"side": side, "error": str(e).splitlines()[0][:300]})
+                print(f"[full-scale] {side} failed: {e}", flush=True)
+            write()
+    if args.part in ("parity", "all"):
+        parity = parity_part(args.model, out_dir, args.server_args)
+        print(f"[full-scale] parity: {parity.get('bitwise_equal')}/{parity.get('tokens')} equal, exit {parity['exit']}",
+              flush=True)
+        write()
+    print("\n".join(open(args.out).read().splitlines()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
