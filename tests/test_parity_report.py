@@ -21,6 +21,7 @@ def test_trainer_refuses_a_server_with_another_moe_path(monkeypatch):
 
     info = {"gdn_mode": "recurrent", "gemm": "fp64", "device": "cuda", "attention": "triton", "moe": "triton"}
     monkeypatch.setenv("VLLM_BI_MOE", "loop")
+    monkeypatch.setenv("VLLM_BI_PRESET", "portable")  # the server's float64 GEMM on CUDA
     for k in ("VLLM_BI_GDN_MODE", "VLLM_BI_GEMM", "VLLM_BI_ATTENTION"):
         monkeypatch.delenv(k, raising=False)
     why = settings_mismatch(info)
