@@ -136,7 +136,12 @@ def main() -> int:
 
     import shlex
 
+    import torch
+
     from vllm_bi.launcher import VllmServer, cpu_env
+    from vllm_bi.settings import Settings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     spec = SPECS[args.spec]
@@ -180,7 +185,7 @@ def main() -> int:
             server_args += shlex.split(args.stock_args)
         env = cpu_env(bi, extra_env)
         gdn = (env.get("VLLM_BI_GDN_MODE") or "recurrent") if bi else "stock"
-        gemm = (env.get("VLLM_BI_GEMM") or "default (triton on CUDA, fp64 on CPU)") if bi else "cuBLAS"
+        gemm = Settings.from_env(env).gemm_on(device) if bi else "cuBLAS"  # what the server resolves it to
         runner = model_runner(bi and gdn == "hybrid", env)
         t0 = time.time()
         print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)
