@@ -8,11 +8,11 @@ Precedence: a variable that is set wins over a trainer config's ``[settings]`` s
 the section over the preset ``VLLM_BI_PRESET`` names, and the preset over the default.
 Presets:
 
-- ``auto`` (to become the default once a GPU gate has run it as one): every setting at its ``auto`` value, resolved per device: on CUDA at tensor parallel size
+- ``auto`` (the default): every setting at its ``auto`` value, resolved per device: on CUDA at tensor parallel size
   1 the fast arithmetic (Triton GEMM with the shipped tile table, decode CUDA graphs where the GDN mode allows them),
   elsewhere (CPU, CUDA with TP > 1) the portable one. The server's start-up resolves it and logs what it chose;
-- ``portable`` (the default): the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM
-  accumulation, eager decode); the CPU's arithmetic;
+- ``portable``: the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM accumulation, eager
+  decode); the CPU's arithmetic, and CUDA's default before the fast one became it;
 - ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
   decode CUDA graphs); CUDA only.
 
@@ -47,9 +47,9 @@ class _Spec:
         return PREFIX + self.name.upper()
 
 
-# The preset a process gets when VLLM_BI_PRESET is unset. portable until a GPU gate has run the tree with auto (fast
-# on CUDA at TP 1, portable elsewhere) as the default: a change here changes CUDA's bits (vllm_bi.gpu_gate).
-DEFAULT_PRESET = "portable"
+# The preset a process gets when VLLM_BI_PRESET is unset: auto (fast on CUDA at TP 1, portable elsewhere). A change
+# here changes CUDA's bits: it lands with a GPU gate run of the tree that has it (vllm_bi.gpu_gate).
+DEFAULT_PRESET = "auto"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
