@@ -140,9 +140,9 @@ def main() -> int:
 
     from vllm_bi.launcher import VllmServer, cpu_env
     from vllm_bi.settings import Settings
+    from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    from vllm_bi.tiny_models import SPECS, build_tiny_model
 
     spec = SPECS[args.spec]
     if args.layers is not None:

@@ -54,10 +54,10 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
 
     def add(model_key, mode, arithmetic, stock=False, max_tokens=48):
         extra = NAMED[arithmetic]
+        preset = DEFAULT_PRESET if arithmetic == "default" else arithmetic
         name = (f"control: stock vLLM {model_key}" if stock
                 else f"{model_key} {mode} {arithmetic}" + (" (auto: eager decode in chunk mode)"
-                                                             if mode == "chunk" and "auto" in (arithmetic, DEFAULT_PRESET)
-                                                             and arithmetic != "portable" else ""))
+                                                             if mode == "chunk" and preset == "auto" else ""))
         job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
                         mem=MEM, **extra)
         out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic}))
