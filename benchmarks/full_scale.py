@@ -21,6 +21,11 @@ weights). Parts:
   Every phase is preceded by an unmeasured warm-up with the same shapes (Triton compiles per batch shape).
 * ``parity``: ``vllm-bi parity`` on the checkpoint under the defaults: 16 prompts x 4 samples x 128 tokens,
   every token bitwise.
+* ``profile``: where each side's GPU time goes, by part. Each side's server runs vLLM's torch profiler
+  (``--profiler-config``) over two identical-shape loads on fresh prompts: 64 x 1K-token prompts with
+  ``max_tokens=1`` (prefill) and with ``max_tokens=65`` (prefill + 64 decode steps at batch 64); the decode bill is
+  the difference. Kernel time is summed from the trace by kernel name, then by part (GEMM, attention, GDN, norm,
+  sampling and logprobs, other) with the patterns of ``PARTS``; the JSON keeps every kernel's total.
 
 Ratios are vllm_bi / stock (time per token, or stock / vllm_bi for throughputs: how many times slower), within one
 run: the machine is shared, and ratios hold only within a run. Rows are written as they come (``--out``).
@@ -205,6 +210,114 @@ def serve_table(rows: list[dict]) -> list[str]:
     return out
 
 
+# part -> kernel-name pattern (first match wins; checked in order, the rest is "other")
+PARTS = [
+    ("attention", r"flash|fmha|attn|attention|paged|reshape_and_cache|unified"),
+    ("GDN", r"chunk|recurrent|gated_delta|gdn|conv1d|causal_conv|kkt|solve_tril|wy_|fwd_h|fwd_o|l2norm|cumsum|"
+            r"delta|_conv_"),
+    ("GEMM", r"gemm|cutlass|nvjet|xmma|matmul|cublas|sm90_|_mm_"),
+    ("norm", r"norm"),
+    ("sampling + logprobs", r"softmax|argmax|gumbel|sort|topk|top_k|sampl|logprob|gather|exponential|penalt"),
+]
+
+
+def part_of(kernel: str) -> str:
+    for name, pat in PARTS:
+        if re.search(pat, kernel, re.IGNORECASE):
+            return name
+    return "other"
+
+
+def _trace_kernels(trace_dir: str, since: float) -> dict[str, float]:
+    """Kernel name -> total milliseconds over the worker traces written in ``trace_dir`` after ``since``."""
+    import glob
+    import gzip
+
+    totals: dict[str, float] = {}
+    for path in glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True):
+        if os.path.getmtime(path) < since or "async_llm" in os.path.basename(path):
+            continue
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            doc = json.load(f)
+        for ev in doc.get("traceEvents", []):
+            if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
+                totals[ev["name"]] = totals.get(ev["name"], 0.0) + ev["dur"] / 1000.0
+    return totals
+
+
+def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: str) -> dict:
+    from vllm_bi.launcher import VllmServer, cpu_env
+
+    bi = side == "vllm_bi"
+    env = cpu_env(bi)
+    if bi:
+        for k in [k for k in env if k.startswith("VLLM_BI_")]:
+            del env[k]
+    trace_dir = os.path.join(log_dir, f"trace-{side}")
+    os.makedirs(trace_dir, exist_ok=True)
+    cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
+                      "torch_profiler_dump_cuda_time_total": False})
+    args = shlex.split(server_args) + shlex.split(DEVIATIONS) + ["--profiler-config", cfg]
+    r: dict = {"side": side}
+    with VllmServer(model, batch_invariant=bi, args=args, env=env, startup_timeout=480,
+                    log_path=os.path.join(log_dir, f"server-profile-{side}.log")) as srv:
+        rng = random.Random(40)
+        for mt in (1, 65):  # warm-up: the same shapes, unprofiled
+            srv.complete_many([dict(prompt_ids=p, max_tokens=mt, ignore_eos=True) for p in _prompts(64, 1024, vocab, rng)],
+                              workers=64)
+        for label, mt in (("prefill", 1), ("prefill+decode", 65)):
+            reqs = [dict(prompt_ids=p, max_tokens=mt, ignore_eos=True) for p in _prompts(64, 1024, vocab, rng)]
+            since = time.time()
+            srv._post("/start_profile", {})
+            t0 = time.perf_counter()
+            srv.complete_many(reqs, workers=64)
+            wall = time.perf_counter() - t0
+            srv._post("/stop_profile", {}, timeout=900)
+            time.sleep(2)
+            kernels = _trace_kernels(trace_dir, since)
+            r[label] = {"wall_s": wall, "kernels": kernels}
+            print(f"[full-scale] {side}: profiled {label}: {sum(kernels.values()):.1f} ms of kernels in {wall:.2f} s",
+                  flush=True)
+    return r
+
+
+def profile_table(rows: list[dict]) -> list[str]:
+    """Per part: kernel ms of the prefill load, of the 64 decode steps (difference of the two loads), both sides."""
+    def parts(r, label):
+        out: dict[str, float] = {}
+        for k, ms in r[label]["kernels"].items():
+            out[part_of(k)] = out.get(part_of(k), 0.0) + ms
+        return out
+
+    ok = [r for r in rows if "prefill" in r and "prefill+decode" in r]
+    if not ok:
+        return ["no profile"]
+    names = [n for n, _ in PARTS] + ["other"]
+    out = ["| part | " + " | ".join(f"{r['side']} prefill ms" for r in ok) + " | ratio | "
+           + " | ".join(f"{r['side']} decode ms" for r in ok) + " | ratio |",
+           "| --- |" + " ---: |" * (2 * len(ok) + 2)]
+    pre = [parts(r, "prefill") for r in ok]
+    dec = []
+    for r, p in zip(ok, pre):
+        both = parts(r, "prefill+decode")
+        dec.append({n: both.get(n, 0.0) - p.get(n, 0.0) for n in names})
+
+    def ratio(vals):
+        return f"{vals[-1] / vals[0]:.2f}x" if len(vals) == 2 and vals[0] > 0 else ""
+
+    for n in names + ["total"]:
+        pv = [sum(p.values()) if n == "total" else p.get(n, 0.0) for p in pre]
+        dv = [sum(d.values()) if n == "total" else d.get(n, 0.0) for d in dec]
+        out.append(f"| {n} | " + " | ".join(f"{v:.1f}" for v in pv) + f" | {ratio(pv)} | "
+                   + " | ".join(f"{v:.1f}" for v in dv) + f" | {ratio(dv)} |")
+    for r in ok:
+        top = sorted(r["prefill+decode"]["kernels"].items(), key=lambda kv: -kv[1])[:25]
+        out += ["", f"{r['side']}: top kernels of the prefill+decode load (ms, part)", ""]
+        out += [f"- {ms:.1f} {part_of(k)}: `{k[:120]}`" for k, ms in top]
+    return out
+
+
 def parity_part(model: str, out_dir: str, server_args: str) -> dict:
     """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens."""
     rng = random.Random(7)
@@ -235,7 +348,7 @@ def parity_part(model: str, out_dir: str, server_args: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="a full-size checkpoint (vllm-bi make-checkpoint)")
-    ap.add_argument("--part", default="serve", choices=["serve", "parity", "all"])
+    ap.add_argument("--part", default="serve", choices=["serve", "parity", "profile", "all"])
     ap.add_argument("--sides", default="stock,vllm_bi", help="comma-separated: stock, vllm_bi (serve part)")
     ap.add_argument("--window", type=float, default=15.0, help="seconds of wall time per measured phase")
     ap.add_argument("--server-args", default=SERVER_ARGS, help="`vllm serve` arguments for both sides")
@@ -255,17 +368,21 @@ def main() -> int:
             "", f"both sides: `vllm serve {args.server_args} {DEVIATIONS}`; VLLM_USE_FLASHINFER_SAMPLER="
             f"{os.environ.get('VLLM_USE_FLASHINFER_SAMPLER', '(unset)')}; window {args.window:.0f} s per phase", ""]
     rows: list[dict] = []
+    profiles: list[dict] = []
     parity: dict | None = None
 
     def write():
         text = head + (serve_table(rows) if rows else [])
+        if profiles:
+            text += ["", "## GPU time by part (kernel ms from vLLM's torch profiler; decode = 64 steps at batch 64)",
+                     ""] + profile_table(profiles)
         if parity is not None:
             text += ["", "## trainer parity at full size (`vllm-bi parity`, defaults, 16 prompts x 4 x 128 tokens)",
                      "", "```", json.dumps(parity, indent=1), "```"]
         with open(args.out, "w") as f:
             f.write("\n".join(text) + "\n")
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"serve": rows, "parity": parity}, f, indent=1)
+            json.dump({"serve": rows, "profile": profiles, "parity": parity}, f, indent=1)
 
     if args.part in ("serve", "all"):
         for side in sides:
@@ -274,6 +391,14 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001 - recorded, the next side still runs
                 rows.append({"side": side, "error": str(e).splitlines()[0][:300]})
                 print(f"[full-scale] {side} failed: {e}", flush=True)
+            write()
+    if args.part == "profile":
+        for side in sides:
+            try:
+                profiles.append(profile_side(side, args.model, args.server_args, cfg.vocab_size, out_dir))
+            except Exception as e:  # noqa: BLE001 - recorded, the next side still runs
+                profiles.append({"side": side, "error": str(e).splitlines()[0][:300]})
+                print(f"[full-scale] {side} profile failed: {e}", flush=True)
             write()
     if args.part in ("parity", "all"):
         parity = parity_part(args.model, out_dir, args.server_args)

@@ -29,3 +29,32 @@ def test_table_ratios():
     assert "| TPOT ms at 64 | 10.00 | 11.00 | 1.10x |" in text
     assert "| max concurrency at max-model-len | 100 | 80.00 | 0.80x of stock |" in text
     assert "| generation tok/s at 256 | n/a | n/a |  |" in text  # a phase not measured stays empty
+
+
+def test_profile_parts_and_decode_difference(tmp_path):
+    # kernel names as they appear in H200 traces: cuBLAS, vLLM's persistent matmul, FlashAttention, fla-core
+    assert FS.part_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT") == "GEMM"
+    assert FS.part_of("matmul_kernel_persistent") == "GEMM"
+    assert FS.part_of("flash_fwd_splitkv_kernel") == "attention"
+    assert FS.part_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "GDN"
+    assert FS.part_of("fused_add_rms_norm_kernel") == "norm"
+    assert FS.part_of("void at::native::elementwise_kernel<128, 4>") == "other"
+    # a trace as vLLM's torch profiler writes it: the decode bill is the second load minus the first
+    import gzip
+    import json
+    import time
+    since = time.time() - 1
+    doc = {"traceEvents": [{"cat": "kernel", "name": "matmul_kernel_persistent", "dur": 3000},
+                           {"cat": "cpu_op", "name": "aten::mm", "dur": 99000},
+                           {"cat": "kernel", "name": "flash_fwd_kernel", "dur": 1000}]}
+    with gzip.open(tmp_path / "rank0.pt.trace.json.gz", "wt") as f:
+        json.dump(doc, f)
+    k = FS._trace_kernels(str(tmp_path), since)
+    assert k == {"matmul_kernel_persistent": 3.0, "flash_fwd_kernel": 1.0}
+    rows = [{"side": "stock", "prefill": {"kernels": {"gemm_a": 10.0}},
+             "prefill+decode": {"kernels": {"gemm_a": 14.0, "flash_fwd": 2.0}}},
+            {"side": "vllm_bi", "prefill": {"kernels": {"matmul_kernel_persistent": 20.0}},
+             "prefill+decode": {"kernels": {"matmul_kernel_persistent": 32.0, "flash_fwd": 2.0}}}]
+    text = "\n".join(FS.profile_table(rows))
+    assert "| GEMM | 10.0 | 20.0 | 2.00x | 4.0 | 12.0 | 3.00x |" in text
+    assert "| total | 10.0 | 20.0 | 2.00x | 6.0 | 14.0 | 2.33x |" in text
