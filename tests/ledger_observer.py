@@ -143,6 +143,7 @@ def _serve(model: str, device: str, out_path: str) -> None:
     os.environ["VLLM_BATCH_INVARIANT"] = "1"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine and worker in this process: one set of modules
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm.entrypoints.launchers.api_server.entry  # noqa: F401 - as in `vllm serve`: the API server's rows apply
     from vllm import LLM, SamplingParams
 
     llm = LLM(model, max_model_len=256, max_num_batched_tokens=256, gpu_memory_utilization=0.2, seed=0)
@@ -222,6 +223,7 @@ def observe(model: str, device: str, tmp_path) -> tuple[set[str], set[str], dict
 def check_ledger(model: str, device: str, tmp_path) -> None:
     """The ledger's active rows on ``device`` are exactly what serving ``model`` changed in vLLM; the negative
     controls (an unlisted patch, a listed one undone) are both named by the same comparison."""
+    import vllm.entrypoints.launchers.api_server.entry  # noqa: F401 - the served process imported it too
     from vllm_bi.patch.ledger import active_rows
 
     observed, tampered, run = observe(model, device, tmp_path)

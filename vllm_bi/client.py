@@ -4,18 +4,26 @@ Used by ``vllm-bi parity``, the trainer (rollouts, weight sync) and the tests.
 The admin routes (``/collective_rpc``, ``/pause``, ``/resume``,
 ``/reset_prefix_cache``, ``/update_weight_version``, ``/weight_info``) need the
 server to run with ``VLLM_SERVER_DEV_MODE=1``.
+
+Every request carries ``Authorization: Bearer <key>`` when the client has a key (``api_key=``, else the
+``VLLM_API_KEY`` environment variable): under ``VLLM_BATCH_INVARIANT=1`` every route of the server needs it when the
+server has one (:mod:`vllm_bi.patch.control`). A 401 raises :class:`ServerAuthError`; a 503 (the server is paused
+for a weight update) raises :class:`ServerPaused`, which :meth:`VllmClient.complete` waits out and retries for up to
+``paused_wait`` seconds.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-__all__ = ["VllmClient", "Completion", "ServerError", "ServerUnreachable"]
+__all__ = ["VllmClient", "Completion", "ServerError", "ServerUnreachable", "ServerAuthError", "ServerPaused"]
 
 
 @dataclass
@@ -40,41 +48,68 @@ class ServerError(RuntimeError):
         self.status = status
 
 
+class ServerAuthError(ServerError):
+    """HTTP 401: the server needs an API key this client does not have (or has another)."""
+
+
+class ServerPaused(ServerError):
+    """HTTP 503 from a paused server (a weight update in progress or left unfinished); ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message, 503)
+        self.retry_after = retry_after
+
+
 _DEV_ROUTES = ("/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/update_weight_version")
 
 
 class VllmClient:
     """HTTP client for one served model: ``VllmClient("http://127.0.0.1:8000", model="/path/or/name")``."""
 
-    def __init__(self, url: str, model: str):
+    def __init__(self, url: str, model: str, api_key: str | None = None, paused_wait: float = 0.0):
         self.url = url.rstrip("/")
         self.model = model
+        self.api_key = api_key if api_key is not None else (os.environ.get("VLLM_API_KEY") or None)
+        self.paused_wait = paused_wait
 
-    def _post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        req = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
+    def _headers(self, extra: dict | None = None) -> dict:
+        h = dict(extra or {})
+        if self.api_key:
+            h["Authorization"] = f"Bearer {self.api_key}"
+        return h
+
+    def _open(self, path: str, data: bytes | None, timeout: float, headers: dict | None = None) -> bytes:
+        req = urllib.request.Request(self.url + path, data=data, headers=self._headers(headers))
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+                return r.read()
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
-            if e.code == 404 and path in _DEV_ROUTES:
+            route = path.split("?")[0]
+            if e.code == 401:
+                raise ServerAuthError(
+                    f"{self.url}{route} -> HTTP 401: the server needs an API key "
+                    f"({'the one given was refused' if self.api_key else 'none was given'}); pass --api-key or set "
+                    "VLLM_API_KEY to the server's key", 401) from None
+            if e.code == 503:
+                try:
+                    wait = float(e.headers.get("Retry-After") or 1)
+                except ValueError:
+                    wait = 1.0
+                raise ServerPaused(f"{self.url}{route} -> HTTP 503: {detail}", wait) from None
+            if e.code == 404 and route in _DEV_ROUTES:
                 detail += " (admin routes need the server started with VLLM_SERVER_DEV_MODE=1)"
-            raise ServerError(f"{self.url}{path} -> HTTP {e.code}: {detail}", e.code) from None
+            raise ServerError(f"{self.url}{route} -> HTTP {e.code}: {detail}", e.code) from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise ServerUnreachable(f"vLLM server at {self.url} unreachable ({path}): {e}") from None
+            raise ServerUnreachable(f"vLLM server at {self.url} unreachable ({path.split('?')[0]}): {e}") from None
+
+    def _post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        raw = self._open(path, json.dumps(body).encode(), timeout, {"Content-Type": "application/json"})
+        return json.loads(raw) if raw.strip() else {}
 
     def _get(self, path: str, timeout: float = 30.0) -> dict:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                body = r.read()
-                return json.loads(body) if body.strip() else {}
-        except urllib.error.HTTPError as e:
-            raise ServerError(f"{self.url}{path} -> HTTP {e.code}: {e.read().decode(errors='replace')[:2000]}",
-                              e.code) from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise ServerUnreachable(f"vLLM server at {self.url} unreachable ({path}): {e}") from None
+        raw = self._open(path, None, timeout)
+        return json.loads(raw) if raw.strip() else {}
 
     def healthy(self) -> bool:
         try:
@@ -136,8 +171,7 @@ class VllmClient:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus counters/gauges as ``{name{labels}: value}``."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
+        text = self._open("/metrics", None, 10).decode()
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
@@ -181,7 +215,15 @@ class VllmClient:
             body["cache_salt"] = cache_salt
         if prompt_logprobs:
             body["prompt_logprobs"] = 0
-        ch = self._post("/v1/completions", body)["choices"][0]
+        deadline = time.monotonic() + self.paused_wait
+        while True:
+            try:
+                ch = self._post("/v1/completions", body)["choices"][0]
+                break
+            except ServerPaused as e:  # a weight update: wait for the resume, up to paused_wait seconds
+                if time.monotonic() + e.retry_after > deadline:
+                    raise
+                time.sleep(e.retry_after)
         if isinstance(prompt_ids, str):
             prompt_ids = list(ch.get("prompt_token_ids") or [])
             if not prompt_ids:

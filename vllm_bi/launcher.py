@@ -3,12 +3,24 @@
 Used by the tests, the demo and ``vllm-bi parity``. The server is the stock
 ``vllm`` console script (with the vllm_bi plugin loaded by vLLM's plugin
 system), so what the tests exercise is what a user types.
+
+Closed by default: the server binds 127.0.0.1 and gets an API key made for this run (``VLLM_API_KEY`` in its
+environment, so the key is not on its command line); the client half of :class:`VllmServer` sends it. Another
+``--host`` in ``args`` is refused unless the caller gives the key (``api_key=``, ``--api-key`` in ``args`` or
+``VLLM_API_KEY`` in ``env``), and then logs which routes the network can reach.
+
+No orphans: the server and every process it starts die with the process that started it: ``VLLM_BI_PARENT_PID`` in
+its environment makes the plugin, in every vLLM process of the server, end its process when its parent dies
+(:func:`vllm_bi.plugin.start_lifeline`), so a killed trainer takes its server, and a killed API server its engine
+core and workers, with it within seconds.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -20,7 +32,10 @@ import urllib.request
 
 from vllm_bi.client import Completion, VllmClient
 
-__all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError"]
+__all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError", "server_host"]
+
+logger = logging.getLogger("vllm_bi")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port() -> int:
@@ -42,6 +57,22 @@ def cpu_env(batch_invariant: bool, extra: dict | None = None) -> dict:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    """The last value of ``--name V`` / ``--name=V`` in ``args`` (argparse's rule: the last one wins)."""
+    val = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            val = args[i + 1]
+        elif a.startswith(name + "="):
+            val = a.split("=", 1)[1]
+    return val
+
+
+def server_host(args: list[str]) -> str:
+    """The address ``vllm serve ARGS`` binds (vLLM's default without ``--host``: every interface)."""
+    return _flag(args, "--host") or "0.0.0.0"
 
 
 _ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b.*")
@@ -80,15 +111,32 @@ class VllmServer(VllmClient):
         port: int | None = None,
         startup_timeout: float = 300.0,
         log_path: str | None = None,
+        api_key: str | None = None,
     ):
         self.port = port or free_port()
-        super().__init__(f"http://127.0.0.1:{self.port}", model)
+        self.env = dict(env) if env is not None else cpu_env(batch_invariant)
+        user_args = list(args or [])
+        given = api_key or _flag(user_args, "--api-key") or self.env.get("VLLM_API_KEY") or None
+        host = _flag(user_args, "--host") or "127.0.0.1"
+        if host not in LOOPBACK:
+            if not given:
+                raise ServerStartError(
+                    f"--host {host} would expose the server's control routes (weight loading, pause, resume, "
+                    "/collective_rpc) to the network without a key; give one (--api-key KEY or VLLM_API_KEY) or drop "
+                    "--host to bind 127.0.0.1")
+            logger.warning("vllm_bi: serving on %s: every route (completions, /collective_rpc, /pause, /resume, "
+                           "/update_weight_version, /reset_prefix_cache, /sleep, ...) is reachable from the network "
+                           "behind the API key", host)
+        key = given or secrets.token_urlsafe(24)
+        if not _flag(user_args, "--api-key"):
+            self.env["VLLM_API_KEY"] = key
+        url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        super().__init__(f"http://{url_host}:{self.port}", model, api_key=key)
         self.args = [
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", "2048", "--gpu-memory-utilization", "0.2",
             "--generation-config", "vllm", "--max-logprobs", "5",
-        ] + list(args or [])
-        self.env = env if env is not None else cpu_env(batch_invariant)
+        ] + user_args
         self.startup_timeout = startup_timeout
         self.log_path = log_path or tempfile.mktemp(prefix="vllm_bi_server_", suffix=".log")
         self.proc: subprocess.Popen | None = None
@@ -102,15 +150,17 @@ class VllmServer(VllmClient):
 
     def start(self) -> "VllmServer":
         self._log = open(self.log_path, "w")
+        env = dict(self.env, VLLM_BI_PARENT_PID=str(os.getpid()))
         self.proc = subprocess.Popen(
-            self.command(), env=self.env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"vllm serve exited with code {self.proc.returncode}; {self.log_excerpt()}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                req = urllib.request.Request(self.url + "/health", headers=self._headers())
+                with urllib.request.urlopen(req, timeout=2) as r:
                     if r.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):

@@ -2,8 +2,14 @@
 
 vLLM calls :func:`register` in every process it starts (API server, engine
 core, workers, the model-inspection subprocess), possibly more than once.
-With ``VLLM_BATCH_INVARIANT`` unset or 0 it does nothing at all. With it set,
+With ``VLLM_BATCH_INVARIANT`` unset or 0 it does nothing besides the lifeline below. With it set,
 it checks the vLLM version and applies :mod:`vllm_bi.patch` (its ledger).
+
+The lifeline (:func:`start_lifeline`): in a server that vllm_bi started (``VLLM_BI_PARENT_PID`` set, batch
+invariance on or off), and in the engine-core and worker processes of any batch-invariant server, a daemon thread
+ends the process (SIGTERM to itself, then exit) as soon as its parent process is gone. A killed trainer then takes
+its server with it, and a killed API server its engine core and workers, instead of leaving them holding memory
+and ports.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["register", "SUPPORTED_VLLM", "batch_invariant_requested", "check_vllm_version"]
+__all__ = ["register", "start_lifeline", "SUPPORTED_VLLM", "batch_invariant_requested", "check_vllm_version"]
 
 logger = logging.getLogger("vllm_bi")
 
@@ -47,11 +53,45 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 _REGISTERED = False
+_LIFELINE: list = []
+LIFELINE_POLL_S = 1.0
+
+
+def start_lifeline() -> bool:
+    """Start the lifeline thread (see the module doc) when this process should die with its parent; idempotent.
+    Returns whether one runs."""
+    if _LIFELINE:
+        return True
+    import multiprocessing
+
+    started_by_vllm_bi = os.environ.get("VLLM_BI_PARENT_PID", "").isdigit()
+    if not (started_by_vllm_bi or (batch_invariant_requested() and multiprocessing.parent_process() is not None)):
+        return False
+    import threading
+
+    parent = os.getppid()
+
+    def watch():
+        import signal
+        import time
+
+        while os.getppid() == parent:  # a dead parent's children are re-parented at once (even while it is a zombie)
+            time.sleep(LIFELINE_POLL_S)
+        logger.warning("vllm_bi: parent process %d is gone; stopping process %d", parent, os.getpid())
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)
+        os._exit(1)
+
+    t = threading.Thread(target=watch, name="vllm_bi-lifeline", daemon=True)
+    t.start()
+    _LIFELINE.append(t)
+    return True
 
 
 def register() -> None:
-    """Plugin entry point: apply the batch-invariance patches when requested (idempotent)."""
+    """Plugin entry point: the lifeline, and the batch-invariance patches when requested (idempotent)."""
     global _REGISTERED
+    start_lifeline()
     if _REGISTERED or not batch_invariant_requested():
         return
     check_vllm_version()

@@ -30,6 +30,8 @@ VLLM_OPS = "vLLM's BI kernels"  # CUDA with VLLM_BI_CUDA_OPS=vllm
 BLOCK_MODES = "chunk or hybrid GDN mode"
 HYBRID = "hybrid GDN mode"
 GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
+API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
+_API_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
 NO_PR = "none"
 GDN_PR = "none (vLLM's batch-invariant GDN work leaves the CPU path and trainer parity out)"
@@ -114,6 +116,15 @@ LEDGER: tuple[Patch, ...] = (
     P("vllm.v1.worker.gpu_worker:Worker.vllm_bi_info", ALL,
       "a trainer must agree with the server's arithmetic settings", "new worker method: the settings dict",
       "vllm_bi.patch.worker_rpc:vllm_bi_info", remove_when="never: it is vllm_bi's own contract"),
+    # ------------------------------------------------------------------ API server
+    P(f"{_API_ENTRY}:build_app", ALL,
+      "--api-key guards /v1, /v2, /inference and /cohere only: the dev-mode control routes stay open, and "
+      "/collective_rpc calls any worker method by name (one whose result cannot be serialised kills the engine's "
+      "output thread)",
+      "wrap: every route needs the key when one is set, /collective_rpc runs allow-listed methods only (403 "
+      "otherwise), generation routes answer 503 + Retry-After while paused",
+      "vllm_bi.patch.control:guard_build_app", wraps=True, when=API_SERVER,
+      remove_when="vLLM guards every route with its API key and allow-lists /collective_rpc"),
     # ------------------------------------------------------------------ non-finite guard
     P("vllm.v1.worker.gpu_model_runner:count_nans_per_row", ALL,
       "a NaN or +inf logit would be sampled and served", "count NaN and +inf per request row",
@@ -272,7 +283,7 @@ def active_rows(device: str, settings=None) -> list[Patch]:
         settings = current()
     cond = {"": True, OWN_OPS: settings.ops(device) == "vllm_bi", VLLM_OPS: settings.ops(device) == "vllm",
             BLOCK_MODES: settings.gdn_mode in ("chunk", "hybrid"), HYBRID: settings.gdn_mode == "hybrid",
-            GUARD: settings.nonfinite_guard}
+            GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
 
 
