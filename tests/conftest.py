@@ -6,6 +6,10 @@ import pytest
 
 from vllm_bi.tiny_models import build_tiny_model
 
+# Every server a test starts needs this key (vllm_bi's launcher passes it on; under VLLM_BATCH_INVARIANT=1 every
+# route needs it), and every client, trainer and CLI subprocess sends it: the suite runs keyed end to end.
+os.environ.setdefault("VLLM_API_KEY", "vllm-bi-tests-" + os.urandom(8).hex())
+
 MODEL_ROOT = os.environ.get("VLLM_BI_TEST_MODELS", os.path.join(os.path.dirname(__file__), "..", ".test_models"))
 
 

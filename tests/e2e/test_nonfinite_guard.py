@@ -41,7 +41,8 @@ def poisoned_server(tiny_model_path, tmp_path_factory):
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {os.environ['VLLM_API_KEY']}"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, json.loads(r.read())

@@ -182,6 +182,61 @@ def test_weight_mismatch_refuses_and_resumes(server, model_dir, tmp_path, monkey
     assert all(r["bit_wise/logprob_diff/max"] == 0.0 for r in rows)
 
 
+class _FailAfter:
+    """The server's client, except that the call of ``method`` number ``n`` raises after it reached the server."""
+
+    def __init__(self, client, method, n):
+        self._c, self._m, self._n = client, method, n
+
+    def __getattr__(self, name):
+        real = getattr(self._c, name)
+        if name != self._m:
+            return real
+
+        def call(*a, **k):
+            out = real(*a, **k)
+            self._n -= 1
+            if self._n == 0:
+                from vllm_bi.client import ServerError
+
+                raise ServerError(f"injected: the connection dropped after {name}")
+            return out
+
+        return call
+
+
+def test_a_push_failing_after_any_step_leaves_one_consistent_version(server, model_dir, tmp_path):
+    """Against the real server: version 1 pushed, then version 2 fails after each step of the swap in turn; the
+    server ends on version 1 every time (its label, its weights' digest, serving, not paused)."""
+    from vllm_bi.client import VllmClient
+
+    model = QwenGDNForCausalLM.from_pretrained(model_dir)
+    good = model.hf_state_dict()
+    bad = {k: (v + 0.01 if k.endswith("norm.weight") else v) for k, v in good.items()}
+    sync = sync_mod.WeightSync(server, str(tmp_path), model_dir, keep=2)
+    sync.push(model, 1, good)
+    # (method, which call of it): pause, the label, reload, the cache reset, the version, resume
+    for method, n in (("pause", 1), ("set_weight_version", 1), ("reload_weights", 1), ("reset_prefix_cache", 1),
+                      ("set_weight_version", 2), ("resume", 1)):
+        sync.client = _FailAfter(server, method, n)
+        with pytest.raises(sync_mod.PushFailed, match="back on version 1"):
+            sync.push(model, 2, bad)
+        assert server.weight_version() == "1", method
+        assert server.weight_digest() == weight_digest(good.items()), method
+        assert len(VllmClient(server.url, model_dir).complete([3, 4, 5], max_tokens=2).token_ids) == 2, method
+    sync.client = server
+    sync.push(model, 3, bad)  # and a good push afterwards lands
+    assert server.weight_version() == "3" and server.weight_digest() == weight_digest(bad.items())
+
+
+def test_a_trainer_of_another_model_is_refused_before_its_first_push(server, tiny_model_path, tmp_path):
+    other = tiny_model_path("qwen3.5")  # the server serves the qwen3-next model
+    before = server.weight_digest()
+    with pytest.raises(TrainerError, match=r"serves \['Qwen3NextForCausalLM'\].*start the server with the trainer's"):
+        train(cfg(server, other, tmp_path, steps=1))
+    assert server.weight_digest() == before and len(server.complete([3, 4], max_tokens=2).token_ids) == 2
+
+
 def test_nan_loss_stops_cleanly_with_a_resumable_checkpoint(server, model_dir, tmp_path, monkeypatch):
     orig = policy_mod.clipped_surrogate
     calls = {"n": 0}

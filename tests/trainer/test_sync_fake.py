@@ -1,12 +1,13 @@
 """``WeightSync.push`` against a fake server client and a fake model (no server, no model files): the swap's
-calls in order, the version folder it writes, pruning of old versions, and the digest check (a server that
-reports other weights raises ``WeightMismatch``)."""
+calls in order, the version folder it writes, pruning of old versions, the digest check (a server that
+reports other weights fails the push), the model check before the first push, and where a failed push leaves
+the server: back on the last good version, or paused under a label that names no good version."""
 import os
 
 import pytest
 import torch
 
-from vllm_bi.trainer.sync import WeightMismatch, WeightSync
+from vllm_bi.trainer.sync import SWAP_STEPS, ModelMismatch, PushFailed, WeightSync
 from vllm_bi.weights import weight_digest
 
 
@@ -31,28 +32,45 @@ class FakeModel:
 class FakeClient:
     """Records every call; serves the digest of what was last reloaded (or ``digest_of`` when given)."""
 
-    def __init__(self, digest_of: dict | None = None, fail_reload: bool = False):
+    def __init__(self, digest_of: dict | None = None, fail_reload: bool = False, layout: dict | None = None):
         self.calls: list[tuple] = []
-        self.digest_of, self.fail_reload = digest_of, fail_reload
+        self.digest_of, self.fail_reload, self.layout = digest_of, fail_reload, layout
         self.loaded: dict | None = None
+        self.fail_at: dict[str, int] = {}  # method -> fail its n-th call from now (1: the next one)
+
+    def _maybe_fail(self, name):
+        if name in self.fail_at:
+            self.fail_at[name] -= 1
+            if self.fail_at[name] <= 0:
+                del self.fail_at[name]
+                raise ConnectionError(f"{name} failed")
+
+    def collective_rpc(self, method, kwargs=None, timeout=600.0):
+        assert method == "vllm_bi_model_layout"
+        return [self.layout or {"architectures": None, "tensors": None, "path": "?"}]
 
     def pause(self, mode="wait"):
         self.calls.append(("pause", mode))
+        self._maybe_fail("pause")
 
     def reload_weights(self, weights_path, timeout=600.0):
         self.calls.append(("reload_weights", weights_path))
+        self._maybe_fail("reload_weights")
         if self.fail_reload:
             raise ConnectionError("reload failed")
         self.loaded = torch.load(os.path.join(weights_path, "weights.pt"))
 
     def reset_prefix_cache(self):
         self.calls.append(("reset_prefix_cache",))
+        self._maybe_fail("reset_prefix_cache")
 
     def set_weight_version(self, version):
         self.calls.append(("set_weight_version", version))
+        self._maybe_fail("set_weight_version")
 
     def resume(self):
         self.calls.append(("resume",))
+        self._maybe_fail("resume")
 
     def weight_digest(self):
         self.calls.append(("weight_digest",))
@@ -68,8 +86,8 @@ def test_push_swaps_in_order_and_writes_the_version(tmp_path):
     sync = WeightSync(client, str(tmp_path), "/base/model", keep=3)
     timings = sync.push(model, 7)
     path = os.path.abspath(str(tmp_path / "weights" / "v000007"))
-    assert client.calls == [("pause", "wait"), ("reload_weights", path), ("reset_prefix_cache",),
-                            ("set_weight_version", "7"), ("resume",), ("weight_digest",)]
+    assert client.calls == [("pause", "wait"), ("set_weight_version", "7-loading"), ("reload_weights", path),
+                            ("reset_prefix_cache",), ("set_weight_version", "7"), ("resume",), ("weight_digest",)]
     assert sync.path(7) == str(tmp_path / "weights" / "v000007")
     assert os.path.isfile(os.path.join(path, "weights.pt")) and not os.path.exists(path + ".tmp")
     assert model.saved[0][1] == "/base/model" and model.saved[0][0] == path + ".tmp"  # written aside, then renamed
@@ -89,14 +107,81 @@ def test_push_uses_the_given_state(tmp_path):
 def test_push_without_verify_does_not_ask_for_the_digest(tmp_path):
     client = FakeClient(digest_of=FakeModel(scale=3.0).state)  # would mismatch if asked
     WeightSync(client, str(tmp_path), "base", keep=3, verify=False).push(FakeModel(), 1)
-    assert names(client.calls) == ["pause", "reload_weights", "reset_prefix_cache", "set_weight_version", "resume"]
+    assert names(client.calls) == ["pause", "set_weight_version", "reload_weights", "reset_prefix_cache",
+                                   "set_weight_version", "resume"]
 
 
-def test_resume_even_when_the_reload_fails(tmp_path):
+def test_a_failed_first_push_leaves_the_server_paused_under_a_failed_label(tmp_path):
     client = FakeClient(fail_reload=True)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(PushFailed, match=r"version 1 failed at 'reload'.*no earlier good version.*stays paused") as e:
         WeightSync(client, str(tmp_path), "base", keep=3).push(FakeModel(), 1)
-    assert names(client.calls) == ["pause", "reload_weights", "resume"]
+    assert e.value.step == "reload"
+    assert client.calls[-2:] == [("pause", "wait"), ("set_weight_version", "1-failed")]
+    assert ("resume",) not in client.calls
+
+
+# a good push of version 1, then version 2 fails at each step of the swap: the server is back on version 1
+_METHOD = {"pause": "pause", "label": "set_weight_version", "reload": "reload_weights",
+           "reset prefix cache": "reset_prefix_cache", "set version": "set_weight_version", "resume": "resume"}
+
+
+@pytest.mark.parametrize("step", SWAP_STEPS)
+def test_a_push_failing_at_any_step_returns_the_server_to_the_last_good_version(tmp_path, step):
+    client = FakeClient()
+    sync = WeightSync(client, str(tmp_path), "base", keep=3)
+    sync.push(FakeModel(), 1)
+    if step == "verify":
+        client.digest_of = FakeModel(scale=5.0).state  # the server reports other weights once
+    else:  # the step's call fails (the second set_weight_version call for "set version")
+        client.fail_at[_METHOD[step]] = 2 if step == "set version" else 1
+    client.calls.clear()
+    with pytest.raises(PushFailed, match=rf"version 2 failed at '{step}'.*back on version 1") as e:
+        sync.push(FakeModel(scale=2.0), 2)
+    assert e.value.step == step
+    good = os.path.abspath(sync.path(1))
+    assert client.calls[-5:] == [("set_weight_version", "1-restoring"), ("reload_weights", good),
+                                 ("reset_prefix_cache",), ("set_weight_version", "1"), ("resume",)]
+    assert torch.equal(client.loaded["model.layers.0.w"], FakeModel().state["model.layers.0.w"])
+    assert sync.good == (1, sync.path(1)) and os.path.isdir(sync.path(1))
+
+
+def test_when_the_restore_fails_too_the_server_stays_paused(tmp_path):
+    client = FakeClient()
+    sync = WeightSync(client, str(tmp_path), "base", keep=3)
+    sync.push(FakeModel(), 1)
+    client.fail_at["reload_weights"] = 1  # the push's reload ...
+    client.fail_reload = False
+    orig = client.reload_weights
+
+    def reload_fails_twice(path, timeout=600.0):
+        client.fail_at.setdefault("reload_weights", 1)  # ... and the restore's
+        return orig(path, timeout)
+
+    client.reload_weights = reload_fails_twice
+    with pytest.raises(PushFailed, match=r"failed at 'reload'.*returning it to version 1 failed too.*stays paused "
+                                         r"\(503"):
+        sync.push(FakeModel(scale=2.0), 2)
+    assert client.calls[-2:] == [("pause", "wait"), ("set_weight_version", "2-failed")]
+
+
+def test_another_model_is_refused_before_any_weight_moves(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text('{"architectures": ["Qwen3NextForCausalLM"]}')
+    mine = {k: list(v.shape) for k, v in FakeModel().state.items()}
+    cases = [({"architectures": ["LlamaForCausalLM"], "tensors": mine}, "serves \\['LlamaForCausalLM'\\]"),
+             ({"architectures": ["Qwen3NextForCausalLM"], "tensors": {**mine, "model.layers.9.w": [1]}},
+              "1 tensors only the server has"),
+             ({"architectures": ["Qwen3NextForCausalLM"], "tensors": {**mine, "model.layers.0.w": [3, 2]}},
+              "other shapes.*server \\[3, 2\\], trainer \\[2, 3\\]")]
+    for layout, why in cases:
+        client = FakeClient(layout=dict(layout, path="/srv/model"))
+        with pytest.raises(ModelMismatch, match=why):
+            WeightSync(client, str(tmp_path / "run"), str(base), keep=3).push(FakeModel(), 0)
+        assert client.calls == []  # nothing paused, nothing loaded
+    same = FakeClient(layout={"architectures": ["Qwen3NextForCausalLM"], "tensors": mine, "path": "/srv/model"})
+    WeightSync(same, str(tmp_path / "run"), str(base), keep=3).push(FakeModel(), 0)  # the control: accepted
+    assert names(same.calls)[-1] == "weight_digest"
 
 
 def test_old_versions_beyond_keep_are_pruned(tmp_path):
@@ -114,9 +199,10 @@ def test_old_versions_beyond_keep_are_pruned(tmp_path):
 def test_digest_mismatch_raises(tmp_path):
     client = FakeClient(digest_of=FakeModel(scale=2.0).state)  # the server holds other weights
     sync = WeightSync(client, str(tmp_path), "base", keep=3)
-    with pytest.raises(WeightMismatch, match=r"(?s)version 5.*differ.*layer000.*Refusing"):
+    with pytest.raises(PushFailed, match=r"(?s)version 5 failed at 'verify'.*differ.*layer000.*Refusing"):
         sync.push(FakeModel(), 5)
-    assert names(client.calls)[-2:] == ["resume", "weight_digest"]  # the swap completed, then the check failed
+    assert names(client.calls)[-4:] == ["resume", "weight_digest", "pause", "set_weight_version"]
+    assert client.calls[-1] == ("set_weight_version", "5-failed")  # nothing good to return to: closed
     assert os.path.isdir(sync.path(5))
 
 
@@ -124,5 +210,5 @@ def test_digest_mismatch_on_a_missing_tensor(tmp_path):
     server_state = FakeModel().state
     del server_state["lm_head.weight"]  # a partial load: the server lacks the "other" group
     client = FakeClient(digest_of=server_state)
-    with pytest.raises(WeightMismatch, match="other"):
+    with pytest.raises(PushFailed, match="other"):
         WeightSync(client, str(tmp_path), "base", keep=3).push(FakeModel(), 1)

@@ -116,6 +116,11 @@ LEDGER: tuple[Patch, ...] = (
     P("vllm.v1.worker.gpu_worker:Worker.vllm_bi_info", ALL,
       "a trainer must agree with the server's arithmetic settings", "new worker method: the settings dict",
       "vllm_bi.patch.worker_rpc:vllm_bi_info", remove_when="never: it is vllm_bi's own contract"),
+    P("vllm.v1.worker.gpu_worker:Worker.vllm_bi_model_layout", ALL,
+      "a trainer must refuse a server of another model before its first weight push (a failed reload leaves "
+      "parameters on the meta device and the next request kills the engine)",
+      "new worker method: the served checkpoint's architecture, tensor names and shapes",
+      "vllm_bi.patch.worker_rpc:vllm_bi_model_layout", remove_when="never: it is vllm_bi's own contract"),
     # ------------------------------------------------------------------ API server
     P(f"{_API_ENTRY}:build_app", ALL,
       "--api-key guards /v1, /v2, /inference and /cohere only: the dev-mode control routes stay open, and "

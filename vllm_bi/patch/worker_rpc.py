@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm_bi.settings import current as current_settings
 
-__all__ = ["vllm_bi_weight_digest", "vllm_bi_info"]
+__all__ = ["vllm_bi_weight_digest", "vllm_bi_info", "vllm_bi_model_layout"]
 
 
 def vllm_bi_weight_digest(self) -> dict[str, str]:
@@ -27,3 +27,25 @@ def vllm_bi_info(self) -> dict:
     # the settings' arithmetic dict (vllm_bi.settings), and what else a trainer checks
     return {"vllm_bi": __version__, **current_settings().arithmetic(device), "chunk": CHUNK, "device": device,
             "cuda_graphs": str(getattr(graphs, "name", graphs))}
+
+
+def vllm_bi_model_layout(self) -> dict:
+    """The served checkpoint's architecture and every tensor's HF name and shape, read from its safetensors headers
+    (no weights loaded): what a trainer checks its model against before its first weight push."""
+    import glob
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    path = self.model_config.model
+    if not os.path.isdir(path):
+        return {"architectures": None, "tensors": None, "path": path}
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    tensors = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, "pt") as st:
+            for name in st.keys():
+                tensors[name] = list(st.get_slice(name).get_shape())
+    return {"architectures": cfg.get("architectures"), "tensors": tensors, "path": path}

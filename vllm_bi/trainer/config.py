@@ -43,6 +43,9 @@ class TrainerConfig:
                              "Empty: the trainer starts one itself (CPU settings) and stops it at the end.")
     server_args: str = _f("--max-num-batched-tokens 256 --max-num-seqs 32",
                           "extra `vllm serve` arguments when the trainer starts the server")
+    api_key: str = _f("", "the server's API key (default: VLLM_API_KEY). With --server-url: the key it was started "
+                          "with; otherwise the key of the server the trainer starts (default: one made for the run). "
+                          "Never written to RUN_DIR", secret=True)
     run_dir: str = _f("runs/digits", "output folder: metrics.jsonl, tb/ (TensorBoard), checkpoint/, weights/, logs")
     # ---- data and reward
     task: str = _f("digits", "built-in task name (digits) or a JSONL file with one {\"prompt\": ..., ...} per line")

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from vllm_bi.client import ServerUnreachable, VllmClient
+from vllm_bi.client import ServerAuthError, ServerUnreachable
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, run_settings, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
@@ -32,8 +32,8 @@ from vllm_bi.trainer.metrics import MetricsWriter
 from vllm_bi.trainer.policy import Policy, logprob_diff_at_version, train_on_batch
 from vllm_bi.trainer.rewards import get_reward
 from vllm_bi.trainer.rollout import RolloutBatch, RolloutThread, VersionChanged, generate_batch
-from vllm_bi.trainer.server import check_server, start_server
-from vllm_bi.trainer.sync import WeightMismatch, WeightSync
+from vllm_bi.trainer.server import connect
+from vllm_bi.trainer.sync import ModelMismatch, PushFailed, WeightMismatch, WeightSync
 
 __all__ = ["train"]
 
@@ -96,7 +96,8 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     start = start or 0
     if dist.main:
         with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
-            json.dump(dataclasses.asdict(cfg) | {"resolved_model": model_dir, "world_size": dist.world}, f, indent=1)
+            json.dump({k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
+                      | {"resolved_model": model_dir, "world_size": dist.world}, f, indent=1)
     if start >= cfg.steps:
         log(f"{cfg.run_dir}: checkpoint is at step {start} >= --steps {cfg.steps}; nothing to do")
         return []
@@ -114,13 +115,11 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     try:
         client = None
 
-        def connect():
+        def join():
             nonlocal server, client
-            server = start_server(cfg, model_dir) if not cfg.server_url else None
-            client = server or VllmClient(cfg.server_url, model_dir)
-            check_server(client, cfg.verify_weights)
+            server, client = connect(cfg, model_dir)
 
-        _on_main(dist, connect, share=False)
+        _on_main(dist, join, share=False)
         sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
         state = model.hf_state_dict()
         _on_main(dist, lambda: sync.push(model, start, state), share=False)
@@ -153,8 +152,10 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         return rows
     except ServerUnreachable as e:
         raise TrainerError(f"{e}. {where()}") from None
-    except (WeightMismatch, VersionChanged) as e:
-        raise TrainerError(f"{e} {where()}") from None
+    except (WeightMismatch, VersionChanged, PushFailed) as e:
+        raise TrainerError(f"{e}. {where()}") from None
+    except (ModelMismatch, ServerAuthError) as e:
+        raise TrainerError(str(e)) from None
     except NaNLoss as e:
         raise TrainerError(f"{e}: the update was not applied. Lower --lr, check the reward function, "
                            f"or resume from the last good checkpoint. {where()}") from None

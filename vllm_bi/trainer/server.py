@@ -1,6 +1,10 @@
-"""The server the trainer samples from. :func:`start_server` starts the trainer's own batch-invariant
-``vllm serve`` of the run's model (admin routes on, outside the trainer's torchrun process group, log in
-``RUN_DIR/server.log``, pid in ``RUN_DIR/server.pid``) and returns once it is ready; :func:`check_server` returns
+"""The server the trainer samples from. :func:`connect` returns the run's server and a client for it: the user's
+(``--server-url``, with ``--api-key`` or ``VLLM_API_KEY``) or the trainer's own. :func:`start_server` starts the
+trainer's own batch-invariant ``vllm serve`` of the run's model (admin routes on, loopback, an API key made for the
+run, outside the trainer's torchrun process group, dying with the trainer; log in ``RUN_DIR/server.log``, pid in
+``RUN_DIR/server.pid``) and returns once it is ready; a server of an earlier trainer of the same run dir that is
+still alive is waited for (it stops within seconds of its trainer) and, if it stays, refused: never two servers for
+one run. The rollout client waits out a paused server (503) instead of failing. :func:`check_server` returns
 only for a server whose logprobs and weights the trainer can match (admin routes, the vllm_bi plugin, the same
 batch-invariance settings as this process, and, when weights are verified, one worker) and otherwise raises a
 :class:`TrainerError` that says how to fix it.
@@ -14,11 +18,13 @@ import shlex
 import time
 
 from vllm_bi.client import VllmClient
+
+PAUSED_WAIT_S = 600.0  # how long a rollout request waits out a paused server before the run fails
 from vllm_bi.parity import settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
 
-__all__ = ["start_server", "check_server"]
+__all__ = ["connect", "start_server", "check_server"]
 
 logger = logging.getLogger("vllm_bi.trainer")
 
@@ -27,19 +33,56 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
+def connect(cfg: TrainerConfig, model_dir: str):
+    """``(server or None, client)``: the trainer's own server when ``--server-url`` is empty, else a client of the
+    user's; both checked by :func:`check_server`."""
+    server = start_server(cfg, model_dir) if not cfg.server_url else None
+    client = server or VllmClient(cfg.server_url, model_dir, api_key=cfg.api_key or None)
+    client.paused_wait = PAUSED_WAIT_S
+    try:
+        check_server(client, cfg.verify_weights)
+    except BaseException:
+        if server is not None:
+            server.stop()
+        raise
+    return server, client
+
+
+def _alive_server(pid_file: str) -> int | None:
+    """The pid in ``pid_file`` when that process is alive and a vLLM server, else None."""
+    try:
+        pid = int(open(pid_file).read().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError):
+        return None
+    return pid if b"vllm" in cmd and state != "Z" else None
+
+
 def start_server(cfg: TrainerConfig, model_dir: str):
     from vllm_bi.launcher import VllmServer, cpu_env
 
+    pid_file = os.path.join(cfg.run_dir, "server.pid")
+    old = _alive_server(pid_file)
+    if old is not None:  # an earlier trainer's server: it ends itself within seconds of its trainer's death
+        deadline = time.time() + 30
+        while time.time() < deadline and _alive_server(pid_file) is not None:
+            time.sleep(0.5)
+        if _alive_server(pid_file) is not None:
+            raise TrainerError(f"a vLLM server of this run dir is still running (pid {old}, {pid_file}): is another "
+                               f"trainer using {cfg.run_dir}? Stop it (kill {old}) or use another --run-dir")
     log = os.path.join(cfg.run_dir, "server.log")
     logger.info("starting VLLM_BATCH_INVARIANT=1 vllm serve %s (log: %s)", model_dir, log)
     env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
     for k in [k for k in env if k in _TORCHRUN_ENV or k.startswith("TORCHELASTIC_")]:
         del env[k]  # the server is not part of the trainer's process group
-    srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log)
+    srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log, api_key=cfg.api_key or None)
     t0 = time.perf_counter()
     srv.start()
     logger.info("server ready in %.0f s", time.perf_counter() - t0)
-    with open(os.path.join(cfg.run_dir, "server.pid"), "w") as f:
+    with open(pid_file, "w") as f:
         f.write(str(srv.proc.pid))
     return srv
 
