@@ -14,6 +14,7 @@ import shlex
 import time
 
 from vllm_bi.client import VllmClient
+from vllm_bi.errors import MISMATCH, USAGE
 from vllm_bi.parity import settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
@@ -57,11 +58,12 @@ def check_server(client: VllmClient, verify_weights: bool = True) -> None:
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).")
     why = settings_mismatch(infos[0])
     if why:
-        raise TrainerError(f"{why}: their logprobs cannot match.")
+        raise TrainerError(f"{why}: their logprobs cannot match.", exit_code=MISMATCH)
     if verify_weights and workers > 1:
         raise TrainerError(f"the server at {client.url} runs {workers} workers (tensor parallel): the weight digest "
                            "check compares one worker's full weights, so it needs a TP = 1 server. Pass "
-                           "--verify-weights false (the on-policy logprob diff of 0.0 still shows the push landed).")
+                           "--verify-weights false (the on-policy logprob diff of 0.0 still shows the push landed).",
+                           exit_code=USAGE)
     if verify_weights:
         try:
             client.weight_digest()
