@@ -9,6 +9,10 @@
     vllm-bi make-checkpoint  write a full-size random-weight checkpoint with a published config (Qwen3.5-9B, ...)
     vllm-bi info         versions, the GDN / CUDA-op / GEMM / attention / MoE modes, GEMM tiles, CUDA graphs,
                          and whether vLLM finds the plugin
+
+A mistake is one line on stderr naming the problem and the fix, and every command's exit status has one meaning
+(:mod:`vllm_bi.errors`: 0 passed or done, 1 a difference found, 2 usage, 3 server or environment, 4 settings
+differ, 130 Ctrl-C); each ``--help`` lists its own.
 """
 
 from __future__ import annotations
@@ -281,17 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
                                               "the server's vllm_bi settings differ from the trainer's (parity)"))
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    d = sub.add_parser("demo", help="serve a small GDN model with batch invariance and show a request is unchanged by batching",
-                       epilog=exit_status_help("the request is the same alone and in a busy batch",
+    d = sub.add_parser("demo", help="serve a small GDN model with batch invariance and show a request is unchanged "
+                       "by batching", epilog=exit_status_help("the request is the same alone and in a busy batch",
                                                "it changed with the batch under vllm_bi"))
     d.add_argument("--model", default=None, help="model directory (default: build the built-in small model)")
     d.add_argument("--family", default="qwen3-next", choices=["qwen3-next", "qwen3.5", "qwen3.5-moe"],
                    help="built-in model family when --model is not given (default: qwen3-next)")
     d.add_argument("--workdir", default=os.path.join(os.getcwd(), ".vllm_bi_demo"),
                    help="where the built-in model is written (default: ./.vllm_bi_demo)")
-    d.add_argument("--prompt-len", type=_int(1, 1024), default=120, help="prompt length in tokens, 1-1024 (default 120)")
+    d.add_argument("--prompt-len", type=_int(1, 1024), default=120,
+                   help="prompt length in tokens, 1-1024 (default 120)")
     d.add_argument("--max-tokens", type=_int(1, 512), default=16, help="tokens to generate, 1-512 (default 16)")
-    d.add_argument("--busy", type=_int(1, 64), default=9, help="other requests in flight for the busy run, 1-64 (default 9)")
+    d.add_argument("--busy", type=_int(1, 64), default=9,
+                   help="other requests in flight for the busy run, 1-64 (default 9)")
     d.add_argument("--max-num-batched-tokens", type=_int(1), default=32,
                    help="engine token budget per step; small values split prompts (default 32)")
     d.add_argument("--seed", type=_int(0), default=0, help="seed for the random prompts (default 0)")
@@ -370,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("name", choices=["qwen3.5-9b", "qwen3.5-35b-a3b"])
     mc.add_argument("out", help="output directory")
     mc.add_argument("--seed", type=_int(0), default=0)
-    mc.add_argument("--layers", type=_int(0), default=0, help="fewer layers at full width (default: the published count)")
+    mc.add_argument("--layers", type=_int(0), default=0,
+                    help="fewer layers at full width (default: the published count)")
     mc.add_argument("--device", default="cpu", help="where tensors are drawn (cuda is much faster; the bytes are "
                     "the same per device type)")
     mc.add_argument("--entropy", type=_float(0.0, lo_open=True), default=3.0,

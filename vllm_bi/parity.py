@@ -166,7 +166,7 @@ def check_server_settings(client, log) -> dict | None:
         return None
     why = settings_mismatch(info)
     if why:
-        raise SettingsMismatch(f"the server's vllm_bi settings differ: {why}")
+        raise SettingsMismatch(f"the server and this trainer cannot agree bit for bit: {why}")
     return info
 
 

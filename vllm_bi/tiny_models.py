@@ -205,6 +205,14 @@ def _model_class(family: str):
     return getattr(transformers, name)
 
 
+def _read_stamp(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError:  # not JSON: another model's or a damaged stamp, not this request's
+        return None
+
+
 def build_tiny_model(
     family: str,
     path: str,
@@ -217,18 +225,20 @@ def build_tiny_model(
     Deterministic in ``seed``. Returns ``path``. An existing model directory is
     reused unless ``overwrite`` (its ``vllm_bi_tiny.json`` must match the request).
     """
-    import torch
-
     if family not in FAMILIES:
         raise UsageError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     spec = spec or TinyModelSpec()
     stamp = {"family": family, "seed": seed, "spec": spec.__dict__}
     stamp_path = os.path.join(path, "vllm_bi_tiny.json")
-    if os.path.exists(stamp_path) and not overwrite:
-        with open(stamp_path) as f:
-            if json.load(f) == stamp:
+    if not overwrite:  # refused before anything is built
+        if os.path.exists(stamp_path):
+            if _read_stamp(stamp_path) == stamp:
                 return path
-        raise OutputExists(path, "holds a different tiny model")
+            raise OutputExists(path, "holds a different tiny model")
+        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+            raise OutputExists(path, "exists and holds no tiny model")
+    import torch
+
     # built in a folder of its own, then renamed into place: a process that finds the stamp finds a whole model,
     # and two processes building the same model do not interleave their writes
     final, path = path, f"{path.rstrip(os.sep)}.building-{os.getpid()}"
@@ -265,7 +275,6 @@ def build_tiny_model(
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(stamp_path):
             raise OutputExists(final, "exists and holds no tiny model") from None
-        with open(stamp_path) as f:
-            if json.load(f) != stamp:
-                raise OutputExists(final, "holds a different tiny model") from None
+        if _read_stamp(stamp_path) != stamp:
+            raise OutputExists(final, "holds a different tiny model") from None
     return final

@@ -23,11 +23,14 @@ def _check_server_url(cfg: TrainerConfig) -> None:
                            exit_code=ENVIRONMENT)
 
 
-def _check_task_and_reward(cfg: TrainerConfig) -> None:
-    """--task and --reward (a missing file, a bad line, a reward that does not import) before any server check."""
+def _check_inputs(cfg: TrainerConfig) -> None:
+    """What the run needs from the user, before a model is built or a server started: the ``VLLM_BI_*`` settings,
+    --task (a missing file, a bad line) and --reward (one that does not import)."""
+    from vllm_bi.settings import Settings
     from vllm_bi.trainer.data import make_source
     from vllm_bi.trainer.rewards import get_reward
 
+    Settings.from_env()  # the recipe's [settings] were checked when it was read
     get_reward(cfg.reward or make_source(cfg.task, cfg.seed).default_reward)
 
 
@@ -40,7 +43,7 @@ def _explain(e: BaseException) -> UserError | None:
 
 def _run(argv: list[str] | None) -> int:
     cfg = parse_args(argv)
-    _check_task_and_reward(cfg)
+    _check_inputs(cfg)
     _check_server_url(cfg)
     from vllm_bi.trainer.loop import train
 

@@ -67,8 +67,8 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             log(f"settings: {name} is set in the environment, which wins over the recipe's [settings]")
     if (cfg.prompts_per_step * cfg.group_size) % dist.world:
         raise TrainerError(f"--prompts-per-step x --group-size = {cfg.prompts_per_step * cfg.group_size} samples "
-                           f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of {dist.world}",
-                           exit_code=USAGE)
+                           f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of "
+                           f"{dist.world}", exit_code=USAGE)
     os.makedirs(cfg.run_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

@@ -23,6 +23,12 @@ PANELS = {
 def plot_run(run_dir: str) -> list[str]:
     """Write ``RUN_DIR/plots/{reward,logprob_diff,throughput}.png``; returns their paths. A missing run directory,
     an empty or corrupt ``metrics.jsonl`` raise :class:`~vllm_bi.errors.UsageError` naming the file (and line)."""
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"{run_dir}: no such directory; give a trainer run directory (--run-dir of "
+                         "python -m vllm_bi.trainer)")
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise UsageError(f"{run_dir}: no metrics.jsonl with any step (is it a trainer run directory?)")
     try:
         import matplotlib
 
@@ -31,12 +37,6 @@ def plot_run(run_dir: str) -> list[str]:
     except ImportError:
         raise EnvironmentProblem("vllm-bi plot needs matplotlib: pip install matplotlib "
                                  "(or install vllm_bi with its [trainer] extra)") from None
-    if not os.path.isdir(run_dir):
-        raise UsageError(f"{run_dir}: no such directory; give a trainer run directory (--run-dir of "
-                         "python -m vllm_bi.trainer)")
-    rows = read_metrics(run_dir)
-    if not rows:
-        raise UsageError(f"{run_dir}: no metrics.jsonl with any step (is it a trainer run directory?)")
     out_dir = os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     paths = []
