@@ -27,6 +27,8 @@ import os
 import shutil
 import zlib
 
+from vllm_bi.errors import OutputExists, UsageError
+
 __all__ = ["PUBLISHED", "logit_sigma_for_entropy", "write_checkpoint", "checkpoint_tensors", "build_full_tokenizer",
            "mean_entropy"]
 
@@ -46,7 +48,7 @@ def logit_sigma_for_entropy(vocab: int, entropy: float, seed: int = 0) -> float:
     import torch
 
     if not 0.0 < entropy < math.log(vocab):
-        raise ValueError(f"entropy {entropy} nats: choose between 0 and log(vocab) = {math.log(vocab):.2f}")
+        raise UsageError(f"entropy {entropy} nats: choose between 0 and log(vocab) = {math.log(vocab):.2f}")
     z = torch.randn(32, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
 
     def h(sigma: float) -> float:
@@ -66,7 +68,7 @@ def _config(name: str, overrides: dict | None, eos_id: int):
     from vllm_bi.tiny_models import _model_class
 
     if name not in PUBLISHED:
-        raise ValueError(f"unknown checkpoint {name!r}; choose one of {', '.join(PUBLISHED)}")
+        raise UsageError(f"unknown checkpoint {name!r}; choose one of {', '.join(PUBLISHED)}")
     family, base = PUBLISHED[name]
     if family == "qwen3.5":
         from transformers import Qwen3_5TextConfig as Config
@@ -190,11 +192,13 @@ def write_checkpoint(name: str, path: str, seed: int = 0, overrides: dict | None
     from tqdm import tqdm
 
     if os.path.exists(path) and os.listdir(path) and not overwrite:
-        raise FileExistsError(f"{path} exists and is not empty; pass overwrite=True (--overwrite) or another path")
+        raise OutputExists(path, "exists and is not empty")
+    family, cfg = _config(name, overrides, 0)
+    if not 0.0 < entropy < math.log(cfg.vocab_size):  # refused before anything is written
+        raise UsageError(f"entropy {entropy} nats: choose between 0 and log(vocab) = {math.log(cfg.vocab_size):.2f}")
     tmp = f"{path.rstrip(os.sep)}.writing-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    family, cfg = _config(name, overrides, 0)
     tok = build_full_tokenizer(tmp, vocab_size=cfg.vocab_size, seed=seed)
     cfg.eos_token_id = cfg.pad_token_id = cfg.bos_token_id = tok.eos_token_id
     if len(tok) != cfg.vocab_size:

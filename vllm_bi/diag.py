@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import re
 
+from vllm_bi.errors import UsageError
+
 __all__ = ["layer_diff", "first_difference", "format_rows"]
 
+_MAX_MODEL_LEN = 512  # the in-process engine's context: the prompt and one sampled token
 _SUBS = ("input_layernorm", "linear_attn", "self_attn", "post_attention_layernorm", "mlp", "out", "residual")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.(\w+))?$")
 
@@ -54,7 +57,18 @@ def install_hooks(model, store: dict) -> int:
 
 
 def layer_diff(model: str, trainer_model: str | None = None, prompt_len: int = 24, seed: int = 0) -> list[dict]:
-    """Rows ``{"module", "rows", "rows_differing", "max_abs_diff"}`` in execution order, then the prompt logprobs."""
+    """Rows ``{"module", "rows", "rows_differing", "max_abs_diff"}`` in execution order, then the prompt logprobs.
+    A missing or corrupt model directory, an architecture the trainer model does not build, a prompt length out of
+    range and a bad ``VLLM_BI_*`` value raise :class:`~vllm_bi.errors.UsageError` before vLLM is imported."""
+    from vllm_bi.model_dir import read_model_config
+    from vllm_bi.settings import current
+
+    read_model_config(model, "--model")
+    if trainer_model is not None:
+        read_model_config(trainer_model, "--trainer-model")
+    if not 1 <= prompt_len < _MAX_MODEL_LEN:
+        raise UsageError(f"--prompt-len must be between 1 and {_MAX_MODEL_LEN - 1}, got {prompt_len}")
+    current()
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model lives in this process: hooks reach it
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
@@ -66,8 +80,8 @@ def layer_diff(model: str, trainer_model: str | None = None, prompt_len: int = 2
     from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(model, enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=512, max_num_batched_tokens=512,
-              dtype="bfloat16", max_logprobs=5, generation_config="vllm")
+    llm = LLM(model, enforce_eager=True, gpu_memory_utilization=0.15, max_model_len=_MAX_MODEL_LEN,
+              max_num_batched_tokens=_MAX_MODEL_LEN, dtype="bfloat16", max_logprobs=5, generation_config="vllm")
     server: dict = {}
     if not llm.apply_model(lambda m: install_hooks(m, server))[0]:
         raise RuntimeError(f"{model}: no decoder layers found to hook in the served model")

@@ -5,6 +5,8 @@ already running), sends them all at once so they share busy batches,
 recomputes every sampled token's logprob with the trainer-side model
 (:class:`vllm_bi.models.qwen_gdn.QwenGDNForCausalLM`), and
 reports how many are bitwise equal. Exit status 0 only when all are.
+:func:`check_inputs` refuses bad input (the model directory and its architecture, counts, settings) before a
+server starts.
 
 ``--trainer hf`` recomputes with HF transformers instead (bf16, fp32
 log-softmax): the usual stack, for comparison.
@@ -15,9 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-__all__ = ["ParityReport", "run_parity", "trainer_logprobs", "DEFAULT_PROMPTS", "load_prompts"]
+from vllm_bi.errors import MISMATCH, EnvironmentProblem, UsageError, UserError
+
+__all__ = ["ParityReport", "run_parity", "check_inputs", "trainer_logprobs", "DEFAULT_PROMPTS", "load_prompts",
+           "SettingsMismatch", "serving"]
 
 DEFAULT_PROMPTS = [
     "the quick red fox ran over the river and",
@@ -32,10 +38,14 @@ DEFAULT_PROMPTS = [
 
 
 def load_prompts(path: str | None) -> list[str]:
+    """The prompts of the JSONL file at ``path`` (:func:`vllm_bi.prompts.read_jsonl`), or the built-in ones; a
+    missing or bad file raises :class:`~vllm_bi.errors.UsageError` naming it."""
     if path is None:
         return list(DEFAULT_PROMPTS)
     from vllm_bi.prompts import read_jsonl
 
+    if not os.path.isfile(path):
+        raise UsageError(f"--prompts {path}: no such file; give a JSONL file with one {{\"prompt\": ...}} per line")
     return [row["prompt"] for row in read_jsonl(path)]
 
 
@@ -129,8 +139,11 @@ def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str 
     return out
 
 
-class SettingsMismatch(RuntimeError):
-    """The server runs vllm_bi with settings the trainer does not (a FAIL would say nothing about the infra)."""
+class SettingsMismatch(UserError, RuntimeError):
+    """The server runs vllm_bi with settings the trainer does not (a FAIL would say nothing about the infra):
+    exit status 4."""
+
+    exit_code = MISMATCH
 
 
 def settings_mismatch(info: dict) -> str | None:
@@ -153,7 +166,7 @@ def check_server_settings(client, log) -> dict | None:
         return None
     why = settings_mismatch(info)
     if why:
-        raise SettingsMismatch(why)
+        raise SettingsMismatch(f"the server and this trainer cannot agree bit for bit: {why}")
     return info
 
 
@@ -163,6 +176,44 @@ def server_execution(info: dict | None) -> str:
         return ""
     mode = info["cuda_graphs"]
     return "eager (no CUDA graphs)" if mode == "NONE" else f"CUDA graphs {mode}"
+
+
+def check_inputs(model: str, trainer: str = "vllm_bi", trainer_model: str | None = None, n: int = 1,
+                 max_tokens: int = 1, trainer_device: str | None = None) -> None:
+    """What :func:`run_parity` refuses before it starts a server, each as a one-line
+    :class:`~vllm_bi.errors.UsageError` (or, for a device this machine lacks, an
+    :class:`~vllm_bi.errors.EnvironmentProblem`): an unknown trainer, counts below 1, a model directory that is
+    missing, has no valid ``config.json`` or (for the vllm_bi trainer) an architecture it does not support, and bad
+    ``VLLM_BI_*`` values."""
+    from vllm_bi.model_dir import read_model_config
+    from vllm_bi.settings import current
+
+    if trainer not in ("vllm_bi", "hf"):
+        raise UsageError(f"--trainer {trainer!r}: choose vllm_bi or hf")
+    for flag, value in (("--n", n), ("--max-tokens", max_tokens)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}: there would be no token to compare")
+    mine = trainer == "vllm_bi"
+    read_model_config(model, "--model", supported=mine and trainer_model is None)
+    if trainer_model is not None:
+        read_model_config(trainer_model, "--trainer-model", supported=mine)
+    current()  # a bad VLLM_BI_* value: refused here rather than by the server it would start
+    if trainer_device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EnvironmentProblem("--trainer-device cuda: torch finds no CUDA device on this machine; use cpu "
+                                     "(with a CPU server) or run on a GPU")
+
+
+@contextmanager
+def serving(server):
+    """``with serving(VllmServer(...)) as srv``: started, and stopped on the way out also when the start itself is
+    interrupted (Ctrl-C while the server loads leaves no server behind)."""
+    try:
+        yield server.start()
+    finally:
+        server.stop()
 
 
 def run_parity(
@@ -187,10 +238,7 @@ def run_parity(
     from vllm_bi.client import ServerError, ServerUnreachable, VllmClient
     from vllm_bi.launcher import VllmServer, cpu_env
 
-    if trainer not in ("vllm_bi", "hf"):
-        raise ValueError(f"--trainer must be vllm_bi or hf, not {trainer!r}")
-    if not os.path.isdir(model):
-        raise FileNotFoundError(f"--model {model!r} is not a directory (a local HF checkpoint is needed for the trainer)")
+    check_inputs(model, trainer, trainer_model, n, max_tokens, trainer_device)
     prompts = prompts or list(DEFAULT_PROMPTS)
     reqs = [
         dict(prompt_ids=p, max_tokens=max_tokens, temperature=temperature, seed=seed + 1000 * pi + k)
@@ -213,7 +261,7 @@ def run_parity(
         log(f"starting VLLM_BATCH_INVARIANT={0 if stock_server else 1} vllm serve (about a minute on 2 CPU cores)")
         args = ["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"] + list(server_args or [])
         env = cpu_env(not stock_server, {"VLLM_SERVER_DEV_MODE": "1"})
-        with VllmServer(model, batch_invariant=not stock_server, env=env, args=args) as srv:
+        with serving(VllmServer(model, batch_invariant=not stock_server, env=env, args=args)) as srv:
             try:
                 if not stock_server:
                     info = check_server_settings(srv, log)
@@ -221,6 +269,10 @@ def run_parity(
             except (ServerError, ServerUnreachable) as e:  # name the log that holds the server's side of it
                 e.args = (f"{e.args[0] if e.args else e} (server log: {srv.log_path})", *e.args[1:])
                 raise
+
+    if not any(c.token_ids for c in completions):
+        raise EnvironmentProblem(f"nothing to compare: the server returned no tokens for any of the "
+                                 f"{len(completions)} completions (--max-tokens {max_tokens}); see its log")
 
     def progress(it):
         return tqdm(it, desc=f"recomputing with the {trainer} trainer", disable=not show_progress)

@@ -28,6 +28,8 @@ import dataclasses
 import hashlib
 import os
 
+from vllm_bi.errors import UsageError
+
 __all__ = ["Settings", "SETTINGS", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
            "settings_table"]
 
@@ -98,13 +100,13 @@ def _parse(spec: _Spec, raw: str, origin: str):
             return True
         if low in _FALSE:
             return False
-        raise ValueError(f"{origin}={raw!r} is not a setting; use 1 (on) or 0 (off)")
+        raise UsageError(f"{origin}={raw!r} is not a setting; use 1 (on) or 0 (off)")
     if spec.choices is None:
         return value
     value = value.lower()
     value = _ALIASES.get(spec.name, {}).get(value, value)
     if value not in spec.choices:
-        raise ValueError(f"{origin}={raw!r} is not a setting; use one of {', '.join(spec.choices)} "
+        raise UsageError(f"{origin}={raw!r} is not a setting; use one of {', '.join(spec.choices)} "
                          f"(default {spec.default})")
     return value
 
@@ -129,8 +131,9 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
-        """Read ``VLLM_BI_*`` from ``environ`` (default ``os.environ``). A bad value raises ``ValueError`` naming the
-        variable and what to use; so does an unknown ``VLLM_BI_`` variable that looks like a setting's misspelling."""
+        """Read ``VLLM_BI_*`` from ``environ`` (default ``os.environ``). A bad value raises ``UsageError`` (a
+        ``ValueError``) naming the variable and what to use; so does an unknown ``VLLM_BI_`` variable that looks like
+        a setting's misspelling."""
         env = os.environ if environ is None else environ
         values, origin = {}, []
         raw = env.get(_BY_NAME["preset"].env, "").strip()
@@ -158,7 +161,7 @@ class Settings:
     def from_dict(cls, d: dict) -> "Settings":
         unknown = sorted(set(d) - set(_BY_NAME))
         if unknown:
-            raise ValueError(f"unknown settings {', '.join(unknown)}; known: {', '.join(_BY_NAME)}")
+            raise UsageError(f"unknown settings {', '.join(unknown)}; known: {', '.join(_BY_NAME)}")
         return cls(**{k: _parse(_BY_NAME[k], str(int(v)) if isinstance(v, bool) else str(v), k) for k, v in d.items()})
 
     def source(self, name: str) -> str:
@@ -200,7 +203,7 @@ class Settings:
             return value
         if value in builtin_tables():
             return os.path.join(BUILTIN_GEMM_TABLES, value + ".json")
-        raise ValueError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped "
+        raise UsageError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped "
                          f"with vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
     def gemm_tiles(self) -> str:
@@ -212,7 +215,7 @@ class Settings:
             with open(path, "rb") as f:
                 return hashlib.sha256(f.read()).hexdigest()[:16]
         except OSError as e:
-            raise ValueError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
+            raise UsageError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
 
     def arithmetic(self, device: str) -> dict:
         """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal
@@ -332,12 +335,12 @@ def apply_section(section: dict, source: str, environ=None) -> list[str]:
     """A config file's ``[settings]`` section (keys: setting names, e.g. ``gdn_mode = "chunk"``) becomes this
     process's settings, and those of the servers it starts: each value is set as its ``VLLM_BI_*`` variable unless
     the environment already sets that variable, which wins (returned: the setting names the environment kept).
-    A bad name or value raises ``ValueError`` naming ``source``; nothing is set then."""
+    A bad name or value raises ``UsageError`` (a ``ValueError``) naming ``source``; nothing is set then."""
     env = os.environ if environ is None else environ
     parsed = {}
     for name, value in section.items():
         if name not in _BY_NAME:
-            raise ValueError(f"{source}: unknown setting {name!r}; known: {', '.join(_BY_NAME)}")
+            raise UsageError(f"{source}: unknown setting {name!r}; known: {', '.join(_BY_NAME)}")
         parsed[name] = _parse(_BY_NAME[name], _raw(value), f"{source} {name}")
     kept = []
     for name, value in parsed.items():

@@ -30,6 +30,8 @@ import shutil
 import random
 from dataclasses import dataclass
 
+from vllm_bi.errors import OutputExists, UsageError
+
 __all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus"]
 
 FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
@@ -187,7 +189,7 @@ def _config(family: str, spec: TinyModelSpec, eos_id: int):
         cfg = Qwen3_5MoeTextConfig(**moe, **common)
         arch = "Qwen3_5MoeForCausalLM"
     else:
-        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise UsageError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     cfg.architectures = [arch]
     return cfg
 
@@ -203,6 +205,14 @@ def _model_class(family: str):
     return getattr(transformers, name)
 
 
+def _read_stamp(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError:  # not JSON: another model's or a damaged stamp, not this request's
+        return None
+
+
 def build_tiny_model(
     family: str,
     path: str,
@@ -215,18 +225,20 @@ def build_tiny_model(
     Deterministic in ``seed``. Returns ``path``. An existing model directory is
     reused unless ``overwrite`` (its ``vllm_bi_tiny.json`` must match the request).
     """
-    import torch
-
     if family not in FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+        raise UsageError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     spec = spec or TinyModelSpec()
     stamp = {"family": family, "seed": seed, "spec": spec.__dict__}
     stamp_path = os.path.join(path, "vllm_bi_tiny.json")
-    if os.path.exists(stamp_path) and not overwrite:
-        with open(stamp_path) as f:
-            if json.load(f) == stamp:
+    if not overwrite:  # refused before anything is built
+        if os.path.exists(stamp_path):
+            if _read_stamp(stamp_path) == stamp:
                 return path
-        raise FileExistsError(f"{path} holds a different tiny model; pass overwrite=True or another path")
+            raise OutputExists(path, "holds a different tiny model")
+        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+            raise OutputExists(path, "exists and holds no tiny model")
+    import torch
+
     # built in a folder of its own, then renamed into place: a process that finds the stamp finds a whole model,
     # and two processes building the same model do not interleave their writes
     final, path = path, f"{path.rstrip(os.sep)}.building-{os.getpid()}"
@@ -262,10 +274,7 @@ def build_tiny_model(
     except OSError:
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(stamp_path):
-            raise FileExistsError(f"{final} exists and holds no tiny model; pass overwrite=True (--overwrite) or "
-                                  "another path") from None
-        with open(stamp_path) as f:
-            if json.load(f) != stamp:
-                raise FileExistsError(f"{final} holds a different tiny model; pass overwrite=True or another "
-                                      "path") from None
+            raise OutputExists(final, "exists and holds no tiny model") from None
+        if _read_stamp(stamp_path) != stamp:
+            raise OutputExists(final, "holds a different tiny model") from None
     return final

@@ -264,7 +264,7 @@ def test_server_unreachable_ends_with_clear_error_and_checkpoint(model_dir, tmp_
     _wait_for_checkpoint(tmp_path, 1, proc, timeout=400)
     os.killpg(int(open(tmp_path / "server.pid").read()), signal.SIGKILL)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2, err[-3000:]
+    assert proc.returncode == 3, err[-3000:]  # server or environment
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: vLLM server at http://127.0.0.1:") and "unreachable" in last, last
     assert "rerun the same command to continue from step" in last

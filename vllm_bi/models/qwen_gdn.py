@@ -26,6 +26,7 @@ from torch import nn
 
 from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
 from vllm_bi.gdn.layer import gdn_varlen
+from vllm_bi.model_dir import ARCHITECTURES
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
@@ -38,11 +39,7 @@ from vllm_bi.ops.softmax import log_softmax
 
 __all__ = ["HybridConfig", "QwenGDNForCausalLM"]
 
-_ARCHS = {
-    "Qwen3NextForCausalLM": ("qwen3-next", True),
-    "Qwen3_5ForCausalLM": ("qwen3.5", False),
-    "Qwen3_5MoeForCausalLM": ("qwen3.5-moe", False),
-}
+_ARCHS = ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
 
 
 def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from vllm_bi.errors import MISMATCH, USAGE
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
 from vllm_bi.trainer.policy import Policy
@@ -50,10 +51,10 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
             raise TrainerError(f"{run_dir} holds a checkpoint made with the float64 GEMM, this process runs the "
                                f"{b!r} one (the CUDA default since the fast arithmetic became it): set "
                                "VLLM_BI_PRESET=portable for this run and its server, or use --resume false (or "
-                               "another --run-dir) to start over")
+                               "another --run-dir) to start over", exit_code=MISMATCH)
         raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={a!r}, this process runs {b!r}: set "
                            f"{ARITHMETIC_ENV[key]} as the run had it, or use --resume false (or another --run-dir) to "
-                           "start over")
+                           "start over", exit_code=MISMATCH)
 
 
 def checkpoint_due(save_every: int, done: int, steps: int) -> bool:
@@ -103,13 +104,13 @@ def _read_meta(run_dir: str) -> dict | None:
     if not os.path.exists(path):
         if os.path.exists(os.path.join(d, "state.pt")):
             raise TrainerError(f"{d} holds a checkpoint of an older vllm_bi (state.pt); use another --run-dir, or "
-                               "--resume false to start over")
+                               "--resume false to start over", exit_code=USAGE)
         return None
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise TrainerError(f"{path}: checkpoint format {meta.get('format')}, this vllm_bi reads {CHECKPOINT_FORMAT}; "
-                           "use another --run-dir, or --resume false to start over")
+                           "use another --run-dir, or --resume false to start over", exit_code=USAGE)
     return meta
 
 
@@ -126,10 +127,12 @@ def load_checkpoint(run_dir: str, policy: Policy, cfg: TrainerConfig) -> int | N
     for key in ("prompts_per_step", "group_size", "task", "seed", "model_family"):
         if old.get(key) != getattr(cfg, key):
             raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={old.get(key)!r}, but this run asks for "
-                               f"{getattr(cfg, key)!r}: use another --run-dir, or --resume false to start over")
+                               f"{getattr(cfg, key)!r}: use another --run-dir, or --resume false to start over",
+                               exit_code=USAGE)
     if meta["data_position"] != meta["step"] * cfg.prompts_per_step:
         raise TrainerError(f"{run_dir}: inconsistent checkpoint (data position {meta['data_position']} at step "
-                           f"{meta['step']})")
+                           f"{meta['step']}); use another --run-dir, or --resume false to start over",
+                           exit_code=USAGE)
     path = os.path.join(_ckpt_dir(run_dir), meta["dir"])
     dcp.load(policy.checkpoint_tensors(meta["optim"]), checkpoint_id=path, no_dist=policy.dist.world == 1)
     policy.masters_to_params()

@@ -19,13 +19,15 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 
+from vllm_bi.errors import OneLineParser, UsageError, exit_status_help
+from vllm_bi.model_dir import read_model_config
 from vllm_bi.settings import Settings
 
 __all__ = ["TrainerConfig", "ConfigError", "parse_args"]
 
 
-class ConfigError(ValueError):
-    """A bad option value or recipe; the message names the option and the fix."""
+class ConfigError(UsageError):
+    """A bad option value or recipe (exit status 2); the message names the option and the fix."""
 
 
 def _f(default, help: str, **kw):
@@ -112,10 +114,15 @@ class TrainerConfig:
             bad("lr", "must be > 0")
         if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
             bad("keep_weight_versions", f"must be 0 or >= max_staleness + 1 = {self.max_staleness + 1}")
-        if self.model and not os.path.isdir(self.model):
-            bad("model", f"{self.model!r} is not a directory (a local HF checkpoint is needed: the trainer loads it too)")
         if self.server_url and not self.model:
             bad("model", "with --server-url, also give --model: the checkpoint directory the server was started with")
+        if self.server_url and not self.server_url.startswith(("http://", "https://")):
+            bad("server_url", f"{self.server_url!r} is not a server URL; give one like http://127.0.0.1:8000")
+        if self.model:
+            try:  # a missing or corrupt checkpoint, or another architecture: refused before anything loads
+                read_model_config(self.model, "--model")
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
         return self
 
     @property
@@ -179,8 +186,13 @@ def load_recipe(path: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m vllm_bi.trainer",
+        epilog=exit_status_help(
+            "the run reached --steps", "a check of the run's own numbers failed: the server's weights differ from "
+            "the trainer's after a push, or a non-finite loss or gradient norm (the update is not applied)",
+            "the vllm_bi settings that decide the bits differ: the server's from the trainer's, or the checkpoint's "
+            "from this process's"),
         description="Async GRPO/DAPO against a live batch-invariant vLLM server, with bit-exact trainer logprobs. "
                     "Defaults < --config recipe < flags. Without options: the built-in 'digits' task on a small "
                     "random-weight Qwen3-Next, a server started for you, 40 steps (about 10 minutes on 2 CPU cores).",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import random
 
+from vllm_bi.errors import UsageError
 from vllm_bi.prompts import read_jsonl
 
 __all__ = ["PromptSource", "make_source", "read_jsonl", "DIGIT_WORDS"]
@@ -83,6 +84,6 @@ def make_source(task: str, seed: int) -> PromptSource:
         return DigitsTask(seed)
     if task.endswith(".jsonl") or os.path.isfile(task):
         if not os.path.isfile(task):
-            raise FileNotFoundError(f"--task {task!r}: no such file")
+            raise UsageError(f"--task {task!r}: no such file; give a JSONL file or a built-in task (digits)")
         return JsonlDataset(task, seed)
-    raise ValueError(f"--task {task!r}: not a built-in task (digits) nor a JSONL file")
+    raise UsageError(f"--task {task!r}: not a built-in task (digits) nor a JSONL file")

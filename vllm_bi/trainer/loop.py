@@ -22,6 +22,7 @@ import time
 import torch
 
 from vllm_bi.client import ServerAuthError, ServerUnreachable
+from vllm_bi.errors import DIFFER, ENVIRONMENT, USAGE, UsageError
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, run_settings, save_checkpoint
 from vllm_bi.trainer.config import TrainerConfig
@@ -61,12 +62,13 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         try:
             kept = apply_section(cfg.settings, "the recipe's [settings]")
         except ValueError as e:
-            raise TrainerError(str(e)) from None
+            raise TrainerError(str(e), exit_code=USAGE) from None
         for name in kept:
             log(f"settings: {name} is set in the environment, which wins over the recipe's [settings]")
     if (cfg.prompts_per_step * cfg.group_size) % dist.world:
         raise TrainerError(f"--prompts-per-step x --group-size = {cfg.prompts_per_step * cfg.group_size} samples "
-                           f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of {dist.world}")
+                           f"per step cannot be split evenly over {dist.world} ranks; make it a multiple of "
+                           f"{dist.world}", exit_code=USAGE)
     os.makedirs(cfg.run_dir, exist_ok=True)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -109,8 +111,16 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     def where() -> str:
         if not cfg.save_every:
             return "Checkpoints are off (--save-every 0): a rerun starts again from the base model."
+        if saved_at < 0:
+            return "No checkpoint was written: rerunning the same command starts the run from step 0."
         return (f"The run is resumable: rerun the same command to continue from step {saved_at} "
                 f"({os.path.join(cfg.run_dir, 'checkpoint')}).")
+
+    def server_hint() -> str:
+        if cfg.server_url:
+            return (f"start it (VLLM_BATCH_INVARIANT=1 VLLM_SERVER_DEV_MODE=1 vllm serve {model_dir}) or fix "
+                    "--server-url, or leave --server-url empty to let the trainer start one")
+        return f"the server this run started stopped; its log: {os.path.join(cfg.run_dir, 'server.log')}"
 
     try:
         client = None
@@ -151,14 +161,22 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
                 saved_at = step + 1
         return rows
     except ServerUnreachable as e:
-        raise TrainerError(f"{e}. {where()}") from None
-    except (WeightMismatch, VersionChanged, PushFailed) as e:
-        raise TrainerError(f"{e}. {where()}") from None
-    except (ModelMismatch, ServerAuthError) as e:
-        raise TrainerError(str(e)) from None
+        raise TrainerError(f"{e}; {server_hint()}. {where()}", exit_code=ENVIRONMENT) from None
+    except WeightMismatch as e:
+        raise TrainerError(f"{e} {where()}", exit_code=DIFFER) from None
+    except PushFailed as e:  # the digest check (the weights differ) or the server failed a step of the swap
+        raise TrainerError(f"{e}. {where()}", exit_code=DIFFER if e.step == "verify" else ENVIRONMENT) from None
+    except VersionChanged as e:
+        raise TrainerError(f"{e} {where()}", exit_code=ENVIRONMENT) from None
+    except ModelMismatch as e:
+        raise TrainerError(str(e), exit_code=USAGE) from None
+    except ServerAuthError as e:
+        raise TrainerError(str(e), exit_code=ENVIRONMENT) from None
     except NaNLoss as e:
         raise TrainerError(f"{e}: the update was not applied. Lower --lr, check the reward function, "
-                           f"or resume from the last good checkpoint. {where()}") from None
+                           f"or resume from the last good checkpoint. {where()}", exit_code=DIFFER) from None
+    except UsageError as e:  # the reward function's value, raised while sampling
+        raise TrainerError(f"{e}. {where()}", exit_code=e.exit_code) from None
     finally:
         if rollouts is not None:
             rollouts.stop()

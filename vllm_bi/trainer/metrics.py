@@ -6,17 +6,34 @@ import json
 import logging
 import os
 
+from vllm_bi.errors import UsageError
+
 __all__ = ["MetricsWriter", "read_metrics"]
 
 logger = logging.getLogger("vllm_bi.trainer")
 
 
 def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of ``RUN_DIR/metrics.jsonl`` (none without the file). A line that is not a JSON object with a
+    ``step`` raises :class:`~vllm_bi.errors.UsageError` naming the file and the line."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{i}: not a JSON line ({e.msg} at column {e.colno}); delete or repair that "
+                                 "line (every line is one step's metrics object)") from None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise UsageError(f"{path}:{i}: not a step's metrics (an object with an integer \"step\"); delete "
+                                 "or repair that line")
+            rows.append(row)
+    return rows
 
 
 class MetricsWriter:

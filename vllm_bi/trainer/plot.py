@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from vllm_bi.errors import EnvironmentProblem, UsageError
 from vllm_bi.trainer.metrics import read_metrics
 
 __all__ = ["plot_run"]
@@ -20,18 +21,22 @@ PANELS = {
 
 
 def plot_run(run_dir: str) -> list[str]:
-    """Write ``RUN_DIR/plots/{reward,logprob_diff,throughput}.png``; returns their paths."""
+    """Write ``RUN_DIR/plots/{reward,logprob_diff,throughput}.png``; returns their paths. A missing run directory,
+    an empty or corrupt ``metrics.jsonl`` raise :class:`~vllm_bi.errors.UsageError` naming the file (and line)."""
+    if not os.path.isdir(run_dir):
+        raise UsageError(f"{run_dir}: no such directory; give a trainer run directory (--run-dir of "
+                         "python -m vllm_bi.trainer)")
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise UsageError(f"{run_dir}: no metrics.jsonl with any step (is it a trainer run directory?)")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("vllm-bi plot needs matplotlib: pip install matplotlib "
-                           "(or install vllm_bi with its [trainer] extra)") from None
-    rows = read_metrics(run_dir)
-    if not rows:
-        raise FileNotFoundError(f"{run_dir}: no metrics.jsonl with any step (is it a trainer run directory?)")
+        raise EnvironmentProblem("vllm-bi plot needs matplotlib: pip install matplotlib "
+                                 "(or install vllm_bi with its [trainer] extra)") from None
     out_dir = os.path.join(run_dir, "plots")
     os.makedirs(out_dir, exist_ok=True)
     paths = []

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import math
 
+from vllm_bi.errors import UsageError
+
 __all__ = ["REWARDS", "get_reward", "checked_reward"]
 
 
@@ -44,23 +46,26 @@ def get_reward(spec: str):
     if not sep:
         mod_name, _, attr = spec.rpartition(".")
     if not mod_name or not attr:
-        raise ValueError(f"--reward {spec!r}: not a built-in ({', '.join(REWARDS)}) nor 'package.module:function'")
+        raise UsageError(f"--reward {spec!r}: not a built-in ({', '.join(REWARDS)}) nor 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward {spec!r}: cannot import ({e})") from None
+        raise UsageError(f"--reward {spec!r}: cannot import ({e})") from None
     if not callable(fn):
-        raise ValueError(f"--reward {spec!r}: {attr} is not callable")
+        raise UsageError(f"--reward {spec!r}: {attr} is not callable")
     return fn
 
 
 def checked_reward(fn, prompt: str, completion: str, example: dict) -> float:
-    """Call ``fn`` and insist on a finite number (a NaN reward would silently poison the advantages)."""
+    """Call ``fn`` and insist on a finite number (a NaN reward would silently poison the advantages): anything else
+    raises :class:`~vllm_bi.errors.UsageError`."""
     r = fn(prompt, completion, example)
     try:
         r = float(r)
     except (TypeError, ValueError):
-        raise TypeError(f"reward {getattr(fn, '__name__', fn)} returned {r!r}, not a number") from None
+        raise UsageError(f"reward {getattr(fn, '__name__', fn)} returned {r!r}, not a number; fix the --reward "
+                         "function") from None
     if not math.isfinite(r):
-        raise ValueError(f"reward {getattr(fn, '__name__', fn)} returned {r} for prompt {prompt[:60]!r}")
+        raise UsageError(f"reward {getattr(fn, '__name__', fn)} returned {r} for prompt {prompt[:60]!r}; fix the "
+                         "--reward function")
     return r

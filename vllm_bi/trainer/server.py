@@ -17,12 +17,13 @@ import os
 import shlex
 import time
 
-from vllm_bi.client import VllmClient
-
-PAUSED_WAIT_S = 600.0  # how long a rollout request waits out a paused server before the run fails
+from vllm_bi.client import ServerAuthError, VllmClient
+from vllm_bi.errors import MISMATCH, USAGE
 from vllm_bi.parity import settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
+
+PAUSED_WAIT_S = 600.0  # how long a rollout request waits out a paused server before the run fails
 
 __all__ = ["connect", "start_server", "check_server"]
 
@@ -90,9 +91,11 @@ def start_server(cfg: TrainerConfig, model_dir: str):
 def check_server(client: VllmClient, verify_weights: bool = True) -> None:
     try:
         client.weight_version()
+    except ServerAuthError as e:
+        raise TrainerError(f"{e} (--api-key)") from None
     except RuntimeError as e:
-        raise TrainerError(f"{e}\nStart the server with VLLM_SERVER_DEV_MODE=1 (the trainer swaps weights through "
-                           "its admin routes).") from None
+        raise TrainerError(f"{e}; start the server with VLLM_SERVER_DEV_MODE=1 (the trainer swaps weights through "
+                           "its admin routes)") from None
     infos = client.collective_rpc("vllm_bi_info")  # one entry per worker
     workers = len(infos)
     if workers == 0 or not isinstance(infos[0], dict):
@@ -100,11 +103,12 @@ def check_server(client: VllmClient, verify_weights: bool = True) -> None:
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).")
     why = settings_mismatch(infos[0])
     if why:
-        raise TrainerError(f"{why}: their logprobs cannot match.")
+        raise TrainerError(f"{why}: their logprobs cannot match.", exit_code=MISMATCH)
     if verify_weights and workers > 1:
         raise TrainerError(f"the server at {client.url} runs {workers} workers (tensor parallel): the weight digest "
                            "check compares one worker's full weights, so it needs a TP = 1 server. Pass "
-                           "--verify-weights false (the on-policy logprob diff of 0.0 still shows the push landed).")
+                           "--verify-weights false (the on-policy logprob diff of 0.0 still shows the push landed).",
+                           exit_code=USAGE)
     if verify_weights:
         try:
             client.weight_digest()

@@ -1,0 +1,59 @@
+"""A model directory as vllm_bi's commands take it: a local Hugging Face checkpoint of a GDN hybrid.
+
+:data:`ARCHITECTURES` lists the ``config.json`` architectures vllm_bi supports (the trainer model builds them and the
+server glue serves them batch-invariantly). :func:`read_model_config` reads a directory's ``config.json`` without
+importing torch, so a command refuses a missing directory, a missing or corrupt ``config.json`` or another
+architecture in one line (:class:`~vllm_bi.errors.UsageError`) before it starts a server or loads a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from vllm_bi.errors import UsageError
+
+__all__ = ["ARCHITECTURES", "read_model_config"]
+
+# config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
+ARCHITECTURES = {
+    "Qwen3NextForCausalLM": ("qwen3-next", True),
+    "Qwen3_5ForCausalLM": ("qwen3.5", False),
+    "Qwen3_5MoeForCausalLM": ("qwen3.5-moe", False),
+}
+
+
+def read_model_config(path: str, flag: str = "--model", supported: bool = True) -> dict:
+    """``path``'s ``config.json`` as a dict. Raises :class:`UsageError` naming ``flag``, the problem and the fix
+    when ``path`` is not a directory, has no readable ``config.json``, the file is not a JSON object, or (with
+    ``supported``) its first architecture is not one of :data:`ARCHITECTURES`."""
+    where = f"{flag} {path}"
+    if not os.path.isdir(path):
+        raise UsageError(f"{where}: no such directory; give a local Hugging Face checkpoint directory "
+                         "(`vllm-bi make-model` writes a small one)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UsageError(f"{where}: no config.json in it; give the directory of a Hugging Face checkpoint")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{cfg_path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); restore the "
+                         "checkpoint's config.json") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{cfg_path}: not UTF-8 text ({e.reason}); restore the checkpoint's config.json") from None
+    except OSError as e:
+        raise UsageError(f"{cfg_path}: cannot read it ({e.strerror}); check its permissions") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"{cfg_path}: a JSON {type(cfg).__name__}, not an object; restore the checkpoint's "
+                         "config.json")
+    if supported:
+        archs = cfg.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if arch is None:
+            raise UsageError(f"{cfg_path}: names no architecture (an \"architectures\" list); vllm_bi supports "
+                             f"{', '.join(ARCHITECTURES)}")
+        if arch not in ARCHITECTURES:
+            raise UsageError(f"{where}: architecture {arch} is not a GDN hybrid vllm_bi supports; give a checkpoint "
+                             f"of {', '.join(ARCHITECTURES)}")
+    return cfg
