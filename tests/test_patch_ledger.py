@@ -30,7 +30,7 @@ def test_every_row_names_a_vllm_symbol_and_a_replacement():
 
     from vllm_bi.patch.ledger import _split
 
-    new_methods = {"vllm_bi_weight_digest", "vllm_bi_info"}
+    new_methods = {"vllm_bi_weight_digest", "vllm_bi_info", "vllm_bi_model_layout"}
     for p in LEDGER:
         assert p.platform in ("all", "cpu", "cuda") and p.why and p.how and p.upstream and p.remove_when, p
         module, parts, key = _split(p.target)

@@ -180,6 +180,7 @@ def _cmd_parity(args) -> int:
         trainer_device=args.trainer_device,
         server_args=args.server_args,
         stock_server=args.stock_server,
+        api_key=args.api_key,
         log=log,
     )
     print(report.to_json() if args.json else report.table())
@@ -321,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--model", required=True, help="local HF checkpoint directory (served and loaded by the trainer)")
     pa.add_argument("--server", type=_url, default=None,
                     help="URL of a running BI server serving --model (default: start one)")
+    pa.add_argument("--api-key", default=None,
+                    help="the --server's API key (default: VLLM_API_KEY); a server this command starts gets a key "
+                    "made for the run")
     pa.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": "..."} per line (default: 8 built-in)')
     pa.add_argument("--n", type=_int(1), default=4, help="samples per prompt (default 4)")
     pa.add_argument("--max-tokens", type=_int(1), default=32, help="tokens per sample (default 32)")

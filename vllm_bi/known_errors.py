@@ -39,9 +39,10 @@ def explain(e: BaseException, unreachable_fix: str, output_fix: str = "pass --ov
     if isinstance(e, ServerUnreachable):
         return EnvironmentProblem(f"{server_line(e)}; {unreachable_fix}")
     if isinstance(e, ServerError):
-        if e.status in (401, 403):
-            return EnvironmentProblem(f"{server_line(e)}; the server refuses requests without its API key (it was "
-                                      "started with --api-key or VLLM_API_KEY)")
+        if e.status == 401:
+            return EnvironmentProblem(f"{server_line(e)}; pass the server's key with --api-key or VLLM_API_KEY")
+        if e.status == 403:
+            return EnvironmentProblem(f"the server refused the call: {server_line(e)}")
         return EnvironmentProblem(f"the server failed a request: {server_line(e)}")
     if isinstance(e, ServerStartError):
         return EnvironmentProblem(f"the vLLM server did not start: {server_line(e)}")

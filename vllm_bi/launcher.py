@@ -154,6 +154,13 @@ class VllmServer(VllmClient):
         self.proc = subprocess.Popen(
             self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        try:
+            return self._wait_healthy()
+        except BaseException:  # Ctrl-C or a failed start: never leave the server behind
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> "VllmServer":
         deadline = time.time() + self.startup_timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -166,7 +173,6 @@ class VllmServer(VllmClient):
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             time.sleep(1.0)
-        self.stop()
         raise ServerStartError(f"vllm serve not healthy after {self.startup_timeout:.0f}s; {self.log_excerpt()}")
 
     def stop(self) -> None:

@@ -231,6 +231,7 @@ def run_parity(
     server_args: list[str] | None = None,
     stock_server: bool = False,
     show_progress: bool = True,
+    api_key: str | None = None,
     log=print,
 ) -> ParityReport:
     from tqdm import tqdm
@@ -253,7 +254,7 @@ def run_parity(
 
     info = None
     if server_url:
-        client = VllmClient(server_url, model)
+        client = VllmClient(server_url, model, api_key=api_key)
         if not stock_server:
             info = check_server_settings(client, log)
         completions = sample(client)
@@ -261,7 +262,7 @@ def run_parity(
         log(f"starting VLLM_BATCH_INVARIANT={0 if stock_server else 1} vllm serve (about a minute on 2 CPU cores)")
         args = ["--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", "16"] + list(server_args or [])
         env = cpu_env(not stock_server, {"VLLM_SERVER_DEV_MODE": "1"})
-        with serving(VllmServer(model, batch_invariant=not stock_server, env=env, args=args)) as srv:
+        with serving(VllmServer(model, batch_invariant=not stock_server, env=env, args=args, api_key=api_key)) as srv:
             try:
                 if not stock_server:
                     info = check_server_settings(srv, log)
