@@ -44,7 +44,8 @@ ALLOWED_RPC = frozenset({
 # routes that generate (closed while paused); /v1/models and the other /v1 reads stay open
 GENERATE_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score",
                      "/v1/rerank", "/v1/audio", "/v1/generate", "/v2", "/inference", "/generate", "/pooling",
-                     "/classify", "/score", "/rerank", "/tokenize", "/detokenize")
+                     "/classify", "/score", "/rerank", "/tokenize", "/detokenize", "/v1/messages", "/invocations",
+                     "/generative_scoring")
 RETRY_AFTER_S = 1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
