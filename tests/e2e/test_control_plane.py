@@ -26,6 +26,7 @@ import pytest
 
 from vllm_bi.client import ServerAuthError, ServerPaused, VllmClient
 from vllm_bi.launcher import ServerStartError, VllmServer, cpu_env
+from procs import alive, descendants
 
 pytestmark = pytest.mark.server
 
@@ -51,32 +52,6 @@ def _status(url: str, method: str = "GET", key: str | None = None, body: dict | 
             return r.status, r.headers, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.headers, e.read()
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_every_route_needs_the_key(keyed):
@@ -136,12 +111,12 @@ def test_non_loopback_host_needs_a_key(tiny_model_path):
 def test_killed_api_server_takes_its_engine_with_it(keyed):
     # last in the module: it ends the shared server
     api = keyed.proc.pid
-    tree = _descendants(api)
+    tree = descendants(api)
     assert tree, "the API server has no engine-core / worker processes"
     os.kill(api, signal.SIGKILL)
     keyed.proc.wait(timeout=30)
     deadline = time.time() + 30
-    while time.time() < deadline and any(_alive(p) for p in tree):
+    while time.time() < deadline and any(alive(p) for p in tree):
         time.sleep(0.5)
-    left = [p for p in tree if _alive(p)]
+    left = [p for p in tree if alive(p)]
     assert left == [], f"processes of the killed server still running after 30 s: {left}"

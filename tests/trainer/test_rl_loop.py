@@ -272,6 +272,31 @@ def test_server_unreachable_ends_with_clear_error_and_checkpoint(model_dir, tmp_
     assert meta["step"] >= 1 and f"from step {meta['step']}" in last
 
 
+def test_killed_trainer_takes_its_server_with_it(model_dir, tmp_path):
+    """kill -9 of a trainer that started its own server: no process of that server (API server, engine core,
+    worker) is left after 30 s."""
+    from procs import alive, descendants
+
+    cmd = [sys.executable, "-m", "vllm_bi.trainer", "--model", model_dir, "--run-dir", str(tmp_path),
+           "--steps", "50", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "8",
+           "--progress", "false", "--tensorboard", "false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pid_file, tree, deadline = tmp_path / "server.pid", set(), time.time() + 400
+    while time.time() < deadline and len(tree) < 2:  # the API server and its engine core
+        assert proc.poll() is None, "the trainer exited early"
+        if pid_file.exists():
+            api = int(pid_file.read_text())
+            tree = {api} | descendants(api)
+        time.sleep(0.5)
+    assert len(tree) >= 2, "the trainer's server did not come up"
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(alive(p) for p in tree):
+        time.sleep(0.5)
+    assert [p for p in tree if alive(p)] == [], "processes of the killed trainer's server still running after 30 s"
+
+
 def test_moe_model_weight_sync_keeps_parity(tiny_model_path, tmp_path):
     """Qwen3.5-MoE: the server stacks the experts (w13/w2), the trainer holds them per expert in HF
     names; after each push the layout-independent digest must match and the diff stay exactly 0.
