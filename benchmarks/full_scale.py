@@ -257,6 +257,7 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
     trace_dir = os.path.join(log_dir, f"trace-{side}")
     os.makedirs(trace_dir, exist_ok=True)
     cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
+                      "ignore_frontend": True,
                       "torch_profiler_dump_cuda_time_total": False})
     args = shlex.split(server_args) + shlex.split(DEVIATIONS) + ["--profiler-config", cfg]
     r: dict = {"side": side}
