@@ -150,7 +150,9 @@ class VllmServer(VllmClient):
 
     def start(self) -> "VllmServer":
         self._log = open(self.log_path, "w")
-        env = dict(self.env, VLLM_BI_PARENT_PID=str(os.getpid()))
+        from vllm_bi.settings import PARENT_PID_ENV
+
+        env = dict(self.env, **{PARENT_PID_ENV: str(os.getpid())})
         self.proc = subprocess.Popen(
             self.command(), env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )

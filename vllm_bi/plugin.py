@@ -64,7 +64,9 @@ def start_lifeline() -> bool:
         return True
     import multiprocessing
 
-    started_by_vllm_bi = os.environ.get("VLLM_BI_PARENT_PID", "").isdigit()
+    from vllm_bi.settings import launcher_pid
+
+    started_by_vllm_bi = launcher_pid() is not None
     if not (started_by_vllm_bi or (batch_invariant_requested() and multiprocessing.parent_process() is not None)):
         return False
     import threading

@@ -30,7 +30,7 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["Settings", "SETTINGS", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
+__all__ = ["Settings", "SETTINGS", "launcher_pid", "PARENT_PID_ENV", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
            "settings_table"]
 
 PREFIX = "VLLM_BI_"
@@ -353,6 +353,16 @@ def apply_section(section: dict, source: str, environ=None) -> list[str]:
         reload()
     return kept
 
+
+
+PARENT_PID_ENV = PREFIX + "PARENT_PID"  # not a setting: the launcher's pid, in the environment of a server it starts
+
+
+def launcher_pid(environ=None) -> int | None:
+    """The pid of the vllm_bi process that started this server (``VLLM_BI_PARENT_PID``, set by
+    :class:`vllm_bi.launcher.VllmServer`), or None for a server started otherwise."""
+    raw = (os.environ if environ is None else environ).get(PARENT_PID_ENV, "")
+    return int(raw) if raw.strip().isdigit() else None
 
 
 def current() -> Settings:
