@@ -214,10 +214,12 @@ def serve_table(rows: list[dict]) -> list[str]:
 PARTS = [
     ("attention", r"flash|fmha|attn|attention|paged|reshape_and_cache|unified"),
     ("GDN", r"chunk|recurrent|gated_delta|gdn|conv1d|causal_conv|kkt|solve_tril|wy_|fwd_h|fwd_o|l2norm|cumsum|"
-            r"delta|_conv_"),
+            r"delta|_conv_|step_in_slots|merge_16x16|recompute_w_u"),
     ("GEMM", r"gemm|cutlass|nvjet|xmma|matmul|cublas|sm90_|_mm_"),
-    ("norm", r"norm"),
-    ("sampling + logprobs", r"softmax|argmax|gumbel|sort|topk|top_k|sampl|logprob|gather|exponential|penalt"),
+    ("sampling + logprobs", r"softmax|argmax|gumbel|sort|topk|top_k|sampl|logprob|vectorized_gather|exponential|"
+                            r"penalt"),
+    ("norms + pointwise", r"norm|elementwise|copy|row_sum|triton_poi|triton_red|triton_per|silu|act_and_mul|rotary|"
+                          r"CatArray"),
 ]
 
 
@@ -348,13 +350,23 @@ def parity_part(model: str, out_dir: str, server_args: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a full-size checkpoint (vllm-bi make-checkpoint)")
+    ap.add_argument("--model", default="", help="a full-size checkpoint (vllm-bi make-checkpoint)")
     ap.add_argument("--part", default="serve", choices=["serve", "parity", "profile", "all"])
     ap.add_argument("--sides", default="stock,vllm_bi", help="comma-separated: stock, vllm_bi (serve part)")
     ap.add_argument("--window", type=float, default=15.0, help="seconds of wall time per measured phase")
     ap.add_argument("--server-args", default=SERVER_ARGS, help="`vllm serve` arguments for both sides")
     ap.add_argument("--out", default="full_scale.md", help="the table (rewritten as rows come)")
+    ap.add_argument("--from-json", default=None, help="print the tables of an earlier run's JSON (its measured "
+                    "numbers, grouped by the current PARTS) and exit")
     args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        print("\n".join((serve_table(doc["serve"]) if doc.get("serve") else [])
+                        + (profile_table(doc["profile"]) if doc.get("profile") else [])))
+        return 0
+    if not args.model:
+        ap.error("--model DIR is needed (a full-size checkpoint: vllm-bi make-checkpoint qwen3.5-9b DIR)")
     if not os.path.exists(os.path.join(args.model, "config.json")):
         ap.error(f"{args.model}: no config.json; write one with `vllm-bi make-checkpoint qwen3.5-9b {args.model}`")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]

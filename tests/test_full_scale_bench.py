@@ -37,8 +37,11 @@ def test_profile_parts_and_decode_difference(tmp_path):
     assert FS.part_of("matmul_kernel_persistent") == "GEMM"
     assert FS.part_of("flash_fwd_splitkv_kernel") == "attention"
     assert FS.part_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "GDN"
-    assert FS.part_of("fused_add_rms_norm_kernel") == "norm"
-    assert FS.part_of("void at::native::elementwise_kernel<128, 4>") == "other"
+    assert FS.part_of("fused_add_rms_norm_kernel") == "norms + pointwise"
+    assert FS.part_of("void at::native::elementwise_kernel<128, 4>") == "norms + pointwise"
+    assert FS.part_of("_step_in_slots") == "GDN"
+    assert FS.part_of("_topk_log_softmax_kernel") == "sampling + logprobs"
+    assert FS.part_of("some_new_kernel") == "other"
     # a trace as vLLM's torch profiler writes it: the decode bill is the second load minus the first
     import gzip
     import json
