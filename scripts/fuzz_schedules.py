@@ -4,39 +4,43 @@ give the tokens and logprobs it gives alone, bit for bit.
 
 A **case** is one target request (prompt + sampling parameters) in one batch, compared with the same request run
 alone on the same server: every choice's token ids and logprobs with ``==`` (the floats as the server returns them,
-no tolerance). A batch holds 8 targets and, drawn per batch, up to 10 batch mates of random lengths, up to 3 aborted
-neighbours (streaming clients that disconnect after a few chunks, requests with a client timeout of 20-500 ms),
-shared prompt prefixes with the prefix cache warmed first, random start delays (a request joins while others
-decode) and a random order. Targets are seeded sampling at temperature 1 (a ``seed`` per request), greedy, or
-``n`` = 2-3 seeded samples. Targets come from a pool of 24 requests per 16 batches, so one alone run serves about
-five cases; alone runs carry their own ``cache_salt`` (never a prefix-cache hit).
+no tolerance). A batch holds 12 targets (each other's batch mates) and, drawn per batch, up to 6 further batch mates
+of random lengths, up to 3 aborted neighbours (streaming clients that disconnect after 1-4 chunks, requests with a
+client timeout of 20-500 ms), prompts that share a prefix with the prefix cache warmed first, random start delays
+(a request joins while others run) and a random order. Each request is greedy, seeded sampling at temperature 1 (a
+``seed`` of its own), or ``n`` = 2-3 seeded samples. A batch's targets are drawn from a pool of 32 requests that
+serves 16 batches, so one alone run serves about six cases; an alone run has a ``cache_salt`` of its own (never a
+prefix-cache hit) and nothing else in flight.
 
-Server settings that need their own server are **profiles** (``--list-profiles``): ``max_num_batched_tokens``
-32 / 64 / 2048 with prefix caching, and two with a KV cache of a few blocks (``--num-gpu-blocks-override``,
-``--block-size 32``), where running requests are preempted and recomputed; a forced-preemption profile whose batches
-saw no preemption (``vllm:num_preemptions_total``) is an error. One server per profile is started at a time.
+Server settings that need their own server are **profiles** (``--list-profiles``): ``max_num_batched_tokens`` 32,
+64 and 2048 with prefix caching, and two forced-preemption profiles, with and without prefix caching: a KV cache of
+14-18 blocks (``--num-gpu-blocks-override``; with ``--block-size 32`` the default model's hybrid blocks are 64
+tokens) and ``--no-scheduler-reserve-full-isl`` (a request is admitted when its first chunk fits), so running
+requests are preempted and recomputed. A forced-preemption profile whose batches saw no preemption
+(``vllm:num_preemptions_total``) is an error. One server runs at a time, one per profile.
 
-Every case is a function of the master seed, the profile and the case index: case ``i`` is slot ``i % 8`` of batch
-``i // 8``; the id is ``bi|stock/PROFILE/SEED/INDEX``. ``--replay ID`` sends that case's batch again (the same
-requests, order and delays; the engine's step boundaries depend on timing, so ``--repeat`` sends it several times)
-and prints the diff.
+Every case is a function of the master seed, the profile and the case index: case ``i`` is slot ``i % 12`` of
+batch ``i // 12``; its id is ``bi|stock/PROFILE/SEED/INDEX``. ``--replay ID`` runs that case alone and sends its
+batch again (the same requests, order and delays; the engine's step boundaries depend on timing, so ``--repeat``
+sends it several times) and prints the differing positions.
 
-``--shard i/n`` takes batches ``b`` with ``b % n == i``; ``--cases N`` is this shard's number of cases, split over
-the profiles. Results are appended to a JSONL file (``--out``), one line per case (id, seed, profile, server
-settings, request summary, the batch's mates / aborts / preemptions / prefix hits, equal, the first difference);
-a rerun skips the ids recorded there for the same model, so cases accumulate over several runs.
+``--shard i/n`` takes the batches ``b`` with ``b % n == i``; ``--cases N`` is this shard's number of cases, split
+over the profiles. Results are appended to a JSONL file (``--out``), one line per case: id, seed, profile, server
+settings, the request (lengths, mode, seed, n), its batch (mates, aborted neighbours, and the server's counts of
+preemptions, prefix-cache hit tokens and aborted requests during the batch), equal, the first difference. A rerun
+skips the ids recorded there for the same model, so cases accumulate over several runs.
 
-``--stock`` is the negative control: the same cases on stock vLLM (``VLLM_BATCH_INVARIANT=0``, plugin inactive,
-``--enforce-eager``), greedy only (a seeded request with a chunked prompt stops vLLM's CPU engine: "CPU Generator
-does not use offset"). It is expected to find mismatches.
+``--stock`` is the negative control: the same prompts on stock vLLM (``VLLM_BATCH_INVARIANT=0``, plugin inactive,
+``--enforce-eager``), greedy only (a seeded request with a chunked prompt stops vLLM 0.32's CPU engine: "CPU
+Generator does not use offset"). It is expected to find mismatches.
 
 Exit status: 0 every selected case equal; 1 some case differs; 2 usage error; 3 server or environment error (a
 server that does not start or fails a request, or a forced-preemption profile without a preemption).
 
     python scripts/fuzz_schedules.py --cases 2000 --out fuzz.jsonl            # every profile, 400 cases each
     python scripts/fuzz_schedules.py --cases 2000 --shard 1/4 --out fuzz.jsonl
-    python scripts/fuzz_schedules.py --stock --profiles preempt --cases 64 --out stock.jsonl
-    python scripts/fuzz_schedules.py --replay bi/preempt/0/1234
+    python scripts/fuzz_schedules.py --stock --profiles preempt --cases 48 --out stock.jsonl
+    python scripts/fuzz_schedules.py --replay bi/preempt/0/1234 --repeat 5
     python scripts/fuzz_schedules.py --server http://127.0.0.1:8000 --profile mnbt64 --cases 400
 """
 
@@ -61,10 +65,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The generator's constants are part of every case id's meaning: changing one changes what a recorded id means,
 # so GENERATOR is bumped with them (and recorded in every line).
 GENERATOR = 1
-TARGETS_PER_BATCH = 8
-POOL_SIZE = 24
+TARGETS_PER_BATCH = 12
+POOL_SIZE = 32
 POOL_BATCHES = 16  # batches that draw their targets from one pool
-MAX_MATES = 10
+MAX_MATES = 6
 MAX_ABORTED = 3
 MAX_PROMPT = 300
 
@@ -118,7 +122,7 @@ PROFILES = {p.name: p for p in (
     Profile("mnbt2048", 2048, True, 1024),
     Profile("preempt", 64, False, 192, kv_blocks=18, min_max_tokens=4, max_max_tokens=16,
             extra=("--no-scheduler-reserve-full-isl",)),
-    Profile("preempt-prefix", 64, True, 320, kv_blocks=24, min_max_tokens=8, max_max_tokens=40,
+    Profile("preempt-prefix", 64, True, 256, kv_blocks=14, min_max_tokens=16, max_max_tokens=48,
             extra=("--no-scheduler-reserve-full-isl",)),
 )}
 
@@ -221,7 +225,7 @@ def make_pool(seed: int, prof: Profile, generation: int, vocab: int, stock: bool
     for _ in range(POOL_SIZE):
         mt = _max_tokens(rng, prof)
         mode, s, n = _mode(rng, stock)
-        if rng.random() < 0.4:
+        if rng.random() < (0.4 if prof.prefix_caching else 0.1):
             pre = prefixes[rng.randrange(3)]
             prompt = pre + _ids(rng, rng.randint(1, min(60, cap - len(pre))), vocab)
             pool.append(Req(prompt, mt, mode, s, n, prefix=len(pre)))
@@ -740,6 +744,11 @@ def check_args(args) -> tuple[list[str], tuple[int, int]]:
             raise UsageError("--kv-blocks sizes a server started here; drop it with --server")
     elif args.profile:
         raise UsageError("--profile names a running server's settings; use --profiles without --server")
+    if args.replay:
+        parse_case_id(args.replay)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--out {args.out}: no folder {out_dir}; create it or give another path")
     if args.model and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UsageError(f"--model {args.model}: no config.json there; give a model directory "
                          "(e.g. one written by `vllm-bi make-model`)")
