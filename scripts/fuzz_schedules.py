@@ -250,7 +250,8 @@ def make_batch(seed: int, prof: Profile, index: int, vocab: int, stock: bool) ->
                          delay()))
     for _ in range(rng.randint(0, MAX_ABORTED)):
         mode, s, _n = _mode(rng, stock, allow_n=False)
-        req = Req(_ids(rng, _length(rng, cap), vocab), rng.randint(16, 48), mode, s)
+        mt = rng.randint(16, 48)  # long enough to be running when its client hangs up
+        req = Req(_ids(rng, _length(rng, prof.max_model_len - mt - 1), vocab), mt, mode, s)
         if rng.random() < 0.5:
             sent.append(Sent("abort-stream", req, delay(), chunks=rng.randint(1, 4)))
         else:
@@ -324,7 +325,10 @@ class Target:
         try:
             conn.request("POST", "/v1/completions", json.dumps(req.body(self.client.model)),
                          {"Content-Type": "application/json"})
-            conn.getresponse().read()
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise EnvError(f"request -> HTTP {resp.status}: {body[:300]!r}")
             return False
         except (socket.timeout, TimeoutError):
             return True
