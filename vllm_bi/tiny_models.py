@@ -126,6 +126,10 @@ SPECS = {
     "moe-router": TinyModelSpec(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
                                 linear_num_key_heads=4, linear_num_value_heads=8, num_experts=256,
                                 num_experts_per_tok=8, moe_intermediate_size=128),
+    # the default with 8 attention KV heads of dim 128: the attention page outweighs the GDN state, so with
+    # `--block-size 32` vLLM's hybrid cache blocks are 64 tokens (the default model's are 384): a small KV cache
+    # preempts short requests and a 64-token shared prefix hits the prefix cache (scripts/fuzz_schedules.py)
+    "small-blocks": TinyModelSpec(num_attention_heads=8, num_key_value_heads=8, head_dim=128),
     # the default with 2 GDN key / 4 value heads: splittable over tensor-parallel size 2
     "tp": TinyModelSpec(linear_num_key_heads=2, linear_num_value_heads=4),
     # shapes no other spec has (a Qwen3.5-MoE text model): hidden 1536, not a power of two; 7 layers, full
