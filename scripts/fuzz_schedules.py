@@ -305,7 +305,8 @@ class Target:
         body = dict(req.body(self.client.model), stream=True)
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            conn.request("POST", "/v1/completions", json.dumps(body),
+                         self.client._headers({"Content-Type": "application/json"}))
             resp = conn.getresponse()
             if resp.status != 200:
                 raise EnvError(f"streaming request -> HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -324,7 +325,7 @@ class Target:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
             conn.request("POST", "/v1/completions", json.dumps(req.body(self.client.model)),
-                         {"Content-Type": "application/json"})
+                         self.client._headers({"Content-Type": "application/json"}))
             resp = conn.getresponse()
             body = resp.read()
             if resp.status != 200:
