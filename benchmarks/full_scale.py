@@ -134,14 +134,24 @@ def rl_wave(srv, prompts: int, samples: int, prompt_len: int, max_tokens: int, v
     return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen}
 
 
-def serve_side(side: str, model: str, server_args: str, window: float, vocab: int, log_dir: str) -> dict:
-    from vllm_bi.launcher import VllmServer, cpu_env
+def side_env(side: str) -> dict:
+    """The server environment of ``side``: batch invariance on for ``vllm_bi`` with its defaults (no ``VLLM_BI_*``
+    setting reaches the server), off for ``stock``."""
+    from vllm_bi.launcher import cpu_env
 
     bi = side == "vllm_bi"
     env = cpu_env(bi)
-    if bi:  # the defaults: no VLLM_BI_* setting reaches the server
+    if bi:
         for k in [k for k in env if k.startswith("VLLM_BI_")]:
             del env[k]
+    return env
+
+
+def serve_side(side: str, model: str, server_args: str, window: float, vocab: int, log_dir: str) -> dict:
+    from vllm_bi.launcher import VllmServer
+
+    bi = side == "vllm_bi"
+    env = side_env(side)
     args = shlex.split(server_args) + shlex.split(DEVIATIONS)
     log_path = os.path.join(log_dir, f"server-{side}.log")
     r: dict = {"side": side}
@@ -249,13 +259,10 @@ def _trace_kernels(trace_dir: str, since: float) -> dict[str, float]:
 
 
 def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: str) -> dict:
-    from vllm_bi.launcher import VllmServer, cpu_env
+    from vllm_bi.launcher import VllmServer
 
     bi = side == "vllm_bi"
-    env = cpu_env(bi)
-    if bi:
-        for k in [k for k in env if k.startswith("VLLM_BI_")]:
-            del env[k]
+    env = side_env(side)
     trace_dir = os.path.join(log_dir, f"trace-{side}")
     os.makedirs(trace_dir, exist_ok=True)
     cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,

@@ -32,7 +32,7 @@ import urllib.request
 
 from vllm_bi.client import Completion, VllmClient
 
-__all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError", "server_host"]
+__all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError"]
 
 logger = logging.getLogger("vllm_bi")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -68,11 +68,6 @@ def _flag(args: list[str], name: str) -> str | None:
         elif a.startswith(name + "="):
             val = a.split("=", 1)[1]
     return val
-
-
-def server_host(args: list[str]) -> str:
-    """The address ``vllm serve ARGS`` binds (vLLM's default without ``--host``: every interface)."""
-    return _flag(args, "--host") or "0.0.0.0"
 
 
 _ERROR_LINE = re.compile(r"^(?:\([^)]*\)\s*)?(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt)\b.*")

@@ -60,6 +60,7 @@ class WeightSync:
         self.client, self.base_model, self.keep, self.verify = client, base_model, keep, verify
         self.good: tuple[int, str] | None = None  # the last version the server verifiably held, and its files
         self._layout_checked = False
+        self._step = SWAP_STEPS[0]  # the swap step in progress (what a failed push names)
         self.dir = os.path.join(run_dir, "weights")
         os.makedirs(self.dir, exist_ok=True)
 
@@ -84,25 +85,14 @@ class WeightSync:
             self.check_layout(state)
         path = self.save(model, version, state)
         t1 = time.perf_counter()
-        step = SWAP_STEPS[0]
         try:
-            self.client.pause("wait")
-            step = "label"
-            self.client.set_weight_version(f"{version}-loading")  # from here the label names no good version
-            step = "reload"
-            self.client.reload_weights(os.path.abspath(path))
-            step = "reset prefix cache"
-            self.client.reset_prefix_cache()
-            step = "set version"
-            self.client.set_weight_version(str(version))
-            step = "resume"
-            self.client.resume()
+            self._swap(path, version, "loading")
             t2 = time.perf_counter()
-            step = "verify"
+            self._step = "verify"
             if self.verify:
                 self.check(state, version)
         except (ServerError, ServerUnreachable, WeightMismatch, OSError) as e:
-            self._recover(version, step, e)
+            self._recover(version, self._step, e)
         self.good = (version, path)
         self.prune(version)
         return {"time/sync_save_s": t1 - t0, "time/sync_swap_s": t2 - t1, "time/sync_verify_s": time.perf_counter() - t2}
@@ -116,17 +106,25 @@ class WeightSync:
                              "good push (rerun the trainer)", step) from None
         good, path = self.good
         try:
-            self.client.pause("wait")
-            self.client.set_weight_version(f"{good}-restoring")
-            self.client.reload_weights(os.path.abspath(path))
-            self.client.reset_prefix_cache()
-            self.client.set_weight_version(str(good))
-            self.client.resume()
+            self._swap(path, good, "restoring")
         except (ServerError, ServerUnreachable, OSError) as e2:
             left = self._close(f"{version}-failed")
             raise PushFailed(f"{what}; returning it to version {good} failed too ({str(e2).splitlines()[0][:200]}), "
                              f"so the server {left} until a good push (rerun the trainer)", step) from None
         raise PushFailed(f"{what}; the server is back on version {good} (reloaded from {path})", step) from None
+
+    def _swap(self, path: str, version: int, doing: str) -> None:
+        """Load the checkpoint at ``path`` into the paused server as ``version`` (labelled ``<version>-<doing>``
+        meanwhile, so a stop halfway never leaves new weights under an old label), then resume. ``self._step`` names
+        the step in progress (:data:`SWAP_STEPS`)."""
+        calls = (lambda: self.client.pause("wait"),
+                 lambda: self.client.set_weight_version(f"{version}-{doing}"),
+                 lambda: self.client.reload_weights(os.path.abspath(path)),
+                 self.client.reset_prefix_cache,
+                 lambda: self.client.set_weight_version(str(version)),
+                 self.client.resume)
+        for self._step, call in zip(SWAP_STEPS, calls):  # SWAP_STEPS' last, "verify", is the caller's
+            call()
 
     def _close(self, label: str) -> str:
         """Leave the server paused under ``label``; returns how it was left, for the error message."""
