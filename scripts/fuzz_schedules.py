@@ -115,7 +115,9 @@ class Profile:
 
 
 # The KV-cache sizes fit the default model (qwen3-next, spec small-blocks: 64-token hybrid blocks, four KV-cache
-# groups): a request of max_model_len tokens fits once, and a batch's requests are preempted as they grow.
+# groups): one request of max_model_len tokens fits (vLLM refuses to start otherwise), so a request alone is never
+# preempted; in a batch, requests admitted on their first chunk are preempted as they grow. Another model may need
+# --kv-blocks.
 PROFILES = {p.name: p for p in (
     Profile("mnbt32", 32, True, 1024),
     Profile("mnbt64", 64, True, 1024),
