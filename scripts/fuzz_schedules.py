@@ -52,6 +52,7 @@ import http.client
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -533,12 +534,15 @@ class Progress:
 def start_server(model: str, prof: Profile, stock: bool, kv_blocks: int | None, log_dir: str):
     from vllm_bi.launcher import ServerStartError, VllmServer, cpu_env
 
-    log = os.path.join(log_dir, f"fuzz-{'stock' if stock else 'bi'}-{prof.name}.log")
+    log = os.path.join(log_dir, f"fuzz-{'stock' if stock else 'bi'}-{prof.name}-{os.getpid()}.log")
     srv = VllmServer(model, batch_invariant=not stock, args=prof.server_args(kv_blocks, stock), env=cpu_env(not stock),
                      log_path=log)
     try:
         srv.start()
-    except ServerStartError:
+    except BaseException as e:
+        srv.stop()  # a server still starting when this process is interrupted goes too
+        if not isinstance(e, ServerStartError):
+            raise
         raise EnvError(f"vllm serve for profile {prof.name} did not start (log: {log}); its settings: "
                        f"{' '.join(prof.server_args(kv_blocks, stock))}") from None
     return srv
@@ -761,8 +765,14 @@ def check_args(args) -> tuple[list[str], tuple[int, int]]:
     return names, (i, n)
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # so the server started here is stopped on the way out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         names, shard = check_args(args)
         if args.list_profiles:
@@ -783,7 +793,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ENV
     except KeyboardInterrupt:
-        print("\ninterrupted; the cases recorded so far stay in the results file (rerun to resume)", file=sys.stderr)
+        print("\ninterrupted; the cases recorded so far stay in the results file (rerun the command to resume)",
+              file=sys.stderr)
         return EXIT_ENV
     except OSError as e:  # includes the client's ServerUnreachable (a ConnectionError)
         print(f"error: {e.__class__.__name__}: {e}", file=sys.stderr)
