@@ -671,7 +671,10 @@ def open_target(args, model: str | None, prof: Profile, stock: bool):
     from vllm_bi.client import VllmClient
 
     if args.server:
-        name, _ = served_model(args.server)
+        name, max_len = served_model(args.server)
+        if max_len is not None and max_len < prof.max_model_len:
+            raise EnvError(f"the server at {args.server} has max_model_len {max_len}, profile {prof.name} needs "
+                           f"{prof.max_model_len}; start it with the profile's arguments (--list-profiles)")
         return None, Target(VllmClient(args.server, name))
     srv = start_server(model, prof, stock, args.kv_blocks, args.log_dir)
     return srv, Target(srv)
@@ -806,8 +809,6 @@ def main(argv=None) -> int:
 
 def fuzz(args, names: list[str], shard: tuple[int, int], model: str | None) -> int:
     stock = args.stock
-    from vllm_bi.client import VllmClient
-
     if args.server:
         served, _ = served_model(args.server)
         tag = model_tag(served) if os.path.isdir(served) else served
