@@ -52,6 +52,7 @@ import http.client
 import json
 import os
 import random
+import signal
 import socket
 import sys
 import threading
@@ -115,7 +116,9 @@ class Profile:
 
 
 # The KV-cache sizes fit the default model (qwen3-next, spec small-blocks: 64-token hybrid blocks, four KV-cache
-# groups): a request of max_model_len tokens fits once, and a batch's requests are preempted as they grow.
+# groups): one request of max_model_len tokens fits (vLLM refuses to start otherwise), so a request alone is never
+# preempted; in a batch, requests admitted on their first chunk are preempted as they grow. Another model may need
+# --kv-blocks.
 PROFILES = {p.name: p for p in (
     Profile("mnbt32", 32, True, 1024),
     Profile("mnbt64", 64, True, 1024),
@@ -532,12 +535,15 @@ class Progress:
 def start_server(model: str, prof: Profile, stock: bool, kv_blocks: int | None, log_dir: str):
     from vllm_bi.launcher import ServerStartError, VllmServer, cpu_env
 
-    log = os.path.join(log_dir, f"fuzz-{'stock' if stock else 'bi'}-{prof.name}.log")
+    log = os.path.join(log_dir, f"fuzz-{'stock' if stock else 'bi'}-{prof.name}-{os.getpid()}.log")
     srv = VllmServer(model, batch_invariant=not stock, args=prof.server_args(kv_blocks, stock), env=cpu_env(not stock),
                      log_path=log)
     try:
         srv.start()
-    except ServerStartError:
+    except BaseException as e:
+        srv.stop()  # a server still starting when this process is interrupted goes too
+        if not isinstance(e, ServerStartError):
+            raise
         raise EnvError(f"vllm serve for profile {prof.name} did not start (log: {log}); its settings: "
                        f"{' '.join(prof.server_args(kv_blocks, stock))}") from None
     return srv
@@ -666,7 +672,10 @@ def open_target(args, model: str | None, prof: Profile, stock: bool):
     from vllm_bi.client import VllmClient
 
     if args.server:
-        name, _ = served_model(args.server)
+        name, max_len = served_model(args.server)
+        if max_len is not None and max_len < prof.max_model_len:
+            raise EnvError(f"the server at {args.server} has max_model_len {max_len}, profile {prof.name} needs "
+                           f"{prof.max_model_len}; start it with the profile's arguments (--list-profiles)")
         return None, Target(VllmClient(args.server, name))
     srv = start_server(model, prof, stock, args.kv_blocks, args.log_dir)
     return srv, Target(srv)
@@ -760,8 +769,14 @@ def check_args(args) -> tuple[list[str], tuple[int, int]]:
     return names, (i, n)
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt  # so the server started here is stopped on the way out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         names, shard = check_args(args)
         if args.list_profiles:
@@ -782,7 +797,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ENV
     except KeyboardInterrupt:
-        print("\ninterrupted; the cases recorded so far stay in the results file (rerun to resume)", file=sys.stderr)
+        print("\ninterrupted; the cases recorded so far stay in the results file (rerun the command to resume)",
+              file=sys.stderr)
         return EXIT_ENV
     except OSError as e:  # includes the client's ServerUnreachable (a ConnectionError)
         print(f"error: {e.__class__.__name__}: {e}", file=sys.stderr)
@@ -794,8 +810,6 @@ def main(argv=None) -> int:
 
 def fuzz(args, names: list[str], shard: tuple[int, int], model: str | None) -> int:
     stock = args.stock
-    from vllm_bi.client import VllmClient
-
     if args.server:
         served, _ = served_model(args.server)
         tag = model_tag(served) if os.path.isdir(served) else served
