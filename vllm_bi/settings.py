@@ -12,7 +12,7 @@ Presets:
   1 the fast arithmetic (Triton GEMM with the shipped tile table, decode CUDA graphs where the GDN mode allows them),
   elsewhere (CPU, CUDA with TP > 1) the portable one. The server's start-up resolves it and logs what it chose;
 - ``portable``: the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM accumulation, eager
-  decode); the CPU's arithmetic, and CUDA's default before the fast one became it;
+  decode, torch's elementwise kernels rather than Triton's approximate ``exp``); the CPU's arithmetic, and CUDA's default before the fast one became it;
 - ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
   decode CUDA graphs); CUDA only.
 
@@ -52,6 +52,8 @@ class _Spec:
 # The preset a process gets when VLLM_BI_PRESET is unset: auto (fast on CUDA at TP 1, portable elsewhere). A change
 # here changes CUDA's bits: it lands with a GPU gate run of the tree that has it (vllm_bi.gpu_gate).
 DEFAULT_PRESET = "auto"
+# What VLLM_BI_ROWWISE=auto runs on CUDA. A change here changes CUDA's bits, as DEFAULT_PRESET does.
+ROWWISE_AUTO_CUDA = "torch"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -67,6 +69,9 @@ SETTINGS = (
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
           "(h200-qwen3.5-9b) or vllm (vLLM's own tiles); auto: the shipped table"),
     _Spec("attention", "auto", ("auto", "torch", "triton"), "attention op: auto is Triton on CUDA, torch on CPU"),
+    _Spec("rowwise", "auto", ("auto", "torch", "triton"),
+          "row-local ops (RMSNorms, the GDN gated norm, SiLU-and-mul): one Triton kernel each, or torch's eager "
+          f"kernels; auto: {ROWWISE_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
@@ -80,14 +85,15 @@ SETTINGS = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
     "auto": {},
-    "portable": {"gemm": "fp64", "cuda_graphs": "off"},
+    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch"},
     "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
-                  "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION", "moe": "VLLM_BI_MOE"}
+                  "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION",
+                  "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE"}
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
-          "attention": "attention op", "moe": "MoE experts path"}
+          "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 
@@ -121,6 +127,7 @@ class Settings:
     gemm: str = "auto"
     gemm_configs: str = "auto"
     attention: str = "auto"
+    rowwise: str = "auto"
     moe: str = "auto"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
@@ -175,6 +182,12 @@ class Settings:
             return "triton" if device == "cuda" else "torch"
         return self.attention
 
+    def rowwise_op(self, device: str) -> str:
+        """The row-local ops' implementation on ``device`` (``triton`` or ``torch``)."""
+        if self.rowwise == "auto":
+            return ROWWISE_AUTO_CUDA if device == "cuda" else "torch"
+        return self.rowwise
+
     def moe_path(self, device: str) -> str:
         """The MoE experts' path on ``device`` (``loop``, ``exact`` or ``triton``)."""
         if self.moe == "auto":
@@ -223,7 +236,7 @@ class Settings:
         gemm = self.gemm_on(device)
         return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
                 "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none", "attention": self.attention_op(device),
-                "moe": self.moe_path(device)}
+                "rowwise": self.rowwise_op(device), "moe": self.moe_path(device)}
 
     def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
         """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``

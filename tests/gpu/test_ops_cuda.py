@@ -247,3 +247,63 @@ def test_moe_triton_rows_invariant_close_and_capturable():
     # VLLM_BI_MOE=exact: Triton's float64 products give the float64 loop's bits, alone and batched
     assert torch.equal(moe_experts_triton(x, w13, w2, w, ids, exact=True), ref)
     assert torch.equal(moe_experts_triton(x[9:10], w13, w2, w[9:10], ids[9:10], exact=True), ref[9:10])
+
+
+def test_rowwise_kernels_invariant_close_capturable_and_control(monkeypatch):
+    """VLLM_BI_ROWWISE=triton at Qwen3.5-9B's widths: the residual-add RMSNorm (4096, a Gemma weight), the head norm
+    (rows of 256), the GDN gated norm (rows of 128, silu gate) and SiLU-and-mul (12288): a row's bits the same for
+    every batch size 1..8192 and in a CUDA-graph replay; within bf16 rounding of float64 (1.6e-2 relative to the
+    largest value); the new residual is torch's rounded fp32 sum. Negative control: the same rows with a block width
+    chosen by the batch (8192 lanes instead of 4096) give other bits for some row."""
+    import torch.nn.functional as F
+
+    from vllm_bi.ops import rows_triton
+    from vllm_bi.ops.activation import silu_mul
+    from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
+
+    monkeypatch.setenv("VLLM_BI_ROWWISE", "triton")
+    eps = 1e-6
+    x, r = _rows(8192, 4096).to(DEV), _rows(8192, 4096, 1).to(DEV)
+    w = (torch.randn(4096, generator=torch.Generator().manual_seed(2)) * 0.1).to(DEV) + 1.0
+    hq = _rows(8192 * 4, 256, 3).to(DEV)
+    wq = torch.ones(256, device=DEV) + 0.05
+    core, z = _rows(8192 * 8, 128, 4).to(DEV), _rows(8192 * 8, 128, 5).to(DEV)
+    wg = _rows(1, 128, 6)[0].to(DEV)
+    up = _rows(8192, 2 * 12288, 7).to(DEV)
+
+    def ops(m):
+        out, res = rms_norm_maybe_residual(x[:m], r[:m], w, eps)
+        return (out, res, rms_norm_maybe_residual(hq[: 4 * m], None, wq, eps),
+                gated_rms_norm(core[: 8 * m], z[: 8 * m], wg, eps, True, "silu"), silu_mul(up[:m]))
+
+    full = ops(8192)
+    for m in (1, 3, 16, 64, 257, 1024, 4096):
+        for i, (a, b) in enumerate(zip(ops(m), full)):
+            assert torch.equal(a, b[: a.shape[0]]), (m, i)
+
+    h = x[:64].double() + r[:64].double()
+    ref = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    assert ((full[0][:64].double() - ref).abs().max() / ref.abs().max()).item() < 1.6e-2
+    assert torch.equal(full[1], (x.float() + r.float()).bfloat16())
+    c = core[:512].double()
+    refg = c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + eps) * wg.double() * F.silu(z[:512].double())
+    assert ((full[3][:512].double() - refg).abs().max() / refg.abs().max()).item() < 1.6e-2
+    refs = F.silu(up[:64, :12288].double()).bfloat16().double() * up[:64, 12288:].double()
+    assert ((full[4][:64].double() - refs).abs().max() / refs.abs().max()).item() < 1.6e-2
+
+    # a decode step's shapes in a CUDA graph replay to the eager bits
+    m = 64
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops(m)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops(m)
+    graph.replay()
+    torch.cuda.synchronize()
+    for i, (a, b) in enumerate(zip(captured, full)):
+        assert torch.equal(a, b[: a.shape[0]]), ("graph", i)
+
+    wide = rows_triton._rms_norm_fwd(x[:1024], r[:1024], w, eps, block=8192)[0]
+    assert not torch.equal(wide, full[0][:1024]), "a wider block gave the same bits: the control shows nothing"
