@@ -53,7 +53,7 @@ class _Spec:
 # here changes CUDA's bits: it lands with a GPU gate run of the tree that has it (vllm_bi.gpu_gate).
 DEFAULT_PRESET = "auto"
 # What VLLM_BI_ROWWISE=auto runs on CUDA. A change here changes CUDA's bits, as DEFAULT_PRESET does.
-ROWWISE_AUTO_CUDA = "torch"
+ROWWISE_AUTO_CUDA = "triton"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
