@@ -128,7 +128,7 @@ def rl_wave(srv, prompts: int, samples: int, prompt_len: int, max_tokens: int, v
     reqs = [dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=seed * 100003 + i * samples + j)
             for i, p in enumerate(ps) for j in range(samples)]
     t0 = time.perf_counter()
-    out = srv.complete_many(reqs, workers=len(reqs))
+    out = srv.complete_many(reqs)
     wall = time.perf_counter() - t0
     gen = sum(len(c.token_ids) for c in out)
     return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen}
@@ -281,7 +281,7 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
             since = time.time()
             srv._post("/start_profile", {})
             t0 = time.perf_counter()
-            srv.complete_many(reqs, workers=64)
+            srv.complete_many(reqs)
             wall = time.perf_counter() - t0
             srv._post("/stop_profile", {}, timeout=900)
             time.sleep(2)

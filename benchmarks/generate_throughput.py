@@ -88,7 +88,7 @@ def measure(srv, n: int, prompt_len: int, max_tokens: int, vocab: int, repeats: 
     for phase, m, seed in plan:
         reqs = [dict(prompt_ids=p, max_tokens=m) for p in _prompts(n, prompt_len, vocab, seed)]
         t0 = time.perf_counter()
-        done = srv.complete_many(reqs, workers=n)
+        done = srv.complete_many(reqs)
         wall = time.perf_counter() - t0
         gen = sum(len(c.token_ids) for c in done)
         if gen != n * m:

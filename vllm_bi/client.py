@@ -20,7 +20,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 __all__ = ["VllmClient", "Completion", "ServerError", "ServerUnreachable", "ServerAuthError", "ServerPaused"]
@@ -249,16 +248,34 @@ class VllmClient:
                 plp.append(float(item["logprob"]))
         return Completion(prompt_ids, token_ids, lps, plp, ch.get("finish_reason"))
 
-    def complete_many(self, requests: list[dict], workers: int = 16) -> list[Completion]:
-        """Send ``requests`` (kwargs of :meth:`complete`) concurrently, so the engine batches them."""
-        barrier = threading.Barrier(len(requests))
+    def complete_many(self, requests: list[dict]) -> list[Completion]:
+        """Send ``requests`` (kwargs of :meth:`complete`) concurrently, so the engine batches them; the first error
+        (in request order) is raised once all have ended.
 
-        def run(kw):
+        One daemon thread per request: Ctrl-C returns at once instead of waiting for the requests in flight, and
+        their connections close with the process, so the server aborts them."""
+        barrier = threading.Barrier(len(requests)) if requests else None
+        results: list = [None] * len(requests)
+        errors: list = [None] * len(requests)
+
+        def run(i, kw):
             try:
                 barrier.wait(timeout=30)
             except threading.BrokenBarrierError:
                 pass
-            return self.complete(**kw)
+            try:
+                results[i] = self.complete(**kw)
+            except BaseException as e:  # re-raised in the caller's thread
+                errors[i] = e
 
-        with ThreadPoolExecutor(max_workers=max(workers, len(requests))) as ex:
-            return list(ex.map(run, requests))
+        threads = [threading.Thread(target=run, args=(i, kw), daemon=True, name=f"vllm-bi-request-{i}")
+                   for i, kw in enumerate(requests)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)  # short waits: a Ctrl-C is seen within 0.2 s, whichever thread the signal reached
+        for e in errors:
+            if e is not None:
+                raise e
+        return results

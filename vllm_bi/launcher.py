@@ -31,11 +31,11 @@ import urllib.error
 import urllib.request
 
 from vllm_bi.client import Completion, VllmClient
+from vllm_bi.patch.control import LOOPBACK
 
 __all__ = ["VllmServer", "Completion", "free_port", "cpu_env", "ServerStartError"]
 
 logger = logging.getLogger("vllm_bi")
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port() -> int:
