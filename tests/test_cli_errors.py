@@ -182,8 +182,11 @@ def test_ctrl_c_is_one_line_and_status_130(inputs, argv, line):
     """SIGINT while the command waits for a server that accepted the connection but does not answer."""
     srv, url = _silent_server()
     with srv:
+        # SIGINT as a terminal delivers it: a shell's background job (CI's shards) inherits it ignored, and Python
+        # then installs no KeyboardInterrupt handler
         p = subprocess.Popen([a.format(url=url, **inputs) for a in argv], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env())
+                             stderr=subprocess.PIPE, text=True, env=_env(),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             conn, _ = srv.accept()  # the command is now blocked reading the reply
             time.sleep(0.2)
