@@ -52,6 +52,7 @@ import http.client
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import sys
@@ -85,6 +86,7 @@ class EnvError(Exception):
 
 
 # --------------------------------------------------------------------------------------------------- profiles
+MAX_SEQS = 16  # --max-num-seqs of every profile (fewer when the KV cache has fewer blocks)
 @dataclass(frozen=True)
 class Profile:
     """Server settings: ``max_num_batched_tokens``, prefix caching, and for a forced-preemption profile the KV
@@ -104,11 +106,14 @@ class Profile:
         return self.kv_blocks is not None
 
     def server_args(self, kv_blocks: int | None = None, stock: bool = False) -> list[str]:
-        args = ["--max-num-batched-tokens", str(self.mnbt), "--max-num-seqs", "16", "--block-size", "32",
+        blocks = (kv_blocks or self.kv_blocks) if self.kv_blocks is not None else None
+        # a decode step captured in a CUDA graph needs one state block per sequence: at most `blocks` sequences
+        seqs = min(MAX_SEQS, blocks) if blocks else MAX_SEQS
+        args = ["--max-num-batched-tokens", str(self.mnbt), "--max-num-seqs", str(seqs), "--block-size", "32",
                 "--max-model-len", str(self.max_model_len),
                 "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching"]
         if self.kv_blocks is not None:
-            args += ["--num-gpu-blocks-override", str(kv_blocks or self.kv_blocks)]
+            args += ["--num-gpu-blocks-override", str(blocks)]
         args += list(self.extra)
         if stock:
             args.append("--enforce-eager")
@@ -532,12 +537,16 @@ class Progress:
             print(file=sys.stderr)
 
 
-def start_server(model: str, prof: Profile, stock: bool, kv_blocks: int | None, log_dir: str):
+def serve_args(args, prof: Profile, stock: bool) -> list[str]:
+    """The `vllm serve` arguments of ``prof``'s server: the profile's, then ``--server-args``."""
+    return prof.server_args(args.kv_blocks, stock) + shlex.split(args.server_args or "")
+
+
+def start_server(model: str, prof: Profile, stock: bool, argv: list[str], log_dir: str):
     from vllm_bi.launcher import ServerStartError, VllmServer, cpu_env
 
     log = os.path.join(log_dir, f"fuzz-{'stock' if stock else 'bi'}-{prof.name}-{os.getpid()}.log")
-    srv = VllmServer(model, batch_invariant=not stock, args=prof.server_args(kv_blocks, stock), env=cpu_env(not stock),
-                     log_path=log)
+    srv = VllmServer(model, batch_invariant=not stock, args=argv, env=cpu_env(not stock), log_path=log)
     try:
         srv.start()
     except BaseException as e:
@@ -545,7 +554,7 @@ def start_server(model: str, prof: Profile, stock: bool, kv_blocks: int | None, 
         if not isinstance(e, ServerStartError):
             raise
         raise EnvError(f"vllm serve for profile {prof.name} did not start (log: {log}); its settings: "
-                       f"{' '.join(prof.server_args(kv_blocks, stock))}") from None
+                       f"{' '.join(argv)}") from None
     return srv
 
 
@@ -677,7 +686,7 @@ def open_target(args, model: str | None, prof: Profile, stock: bool):
             raise EnvError(f"the server at {args.server} has max_model_len {max_len}, profile {prof.name} needs "
                            f"{prof.max_model_len}; start it with the profile's arguments (--list-profiles)")
         return None, Target(VllmClient(args.server, name))
-    srv = start_server(model, prof, stock, args.kv_blocks, args.log_dir)
+    srv = start_server(model, prof, stock, serve_args(args, prof, stock), args.log_dir)
     return srv, Target(srv)
 
 
@@ -720,6 +729,8 @@ def parse_args(argv):
     p.add_argument("--server", help="URL of a running vllm serve to use instead of starting one (one --profile)")
     p.add_argument("--kv-blocks", type=int, help="KV-cache blocks of the forced-preemption profiles (default: the "
                                                  "profile's, sized for the default model)")
+    p.add_argument("--server-args", help="further `vllm serve` arguments for every server started here, e.g. "
+                                         "\"--gdn-prefill-backend triton\" where FlashInfer is missing")
     p.add_argument("--replay", metavar="CASE_ID", help="send one case's batch again and print the diff")
     p.add_argument("--repeat", type=int, default=1, help="with --replay: how many times to send the batch (1)")
     p.add_argument("--time-limit", type=float, help="stop starting batches after this many seconds (resume later)")
@@ -754,8 +765,8 @@ def check_args(args) -> tuple[list[str], tuple[int, int]]:
                              "(--list-profiles shows each profile's arguments)")
         if args.model:
             raise UsageError("--server and --model: the server's model is used; drop --model")
-        if args.kv_blocks is not None:
-            raise UsageError("--kv-blocks sizes a server started here; drop it with --server")
+        if args.kv_blocks is not None or args.server_args:
+            raise UsageError("--kv-blocks and --server-args set up a server started here; drop them with --server")
     elif args.profile:
         raise UsageError("--profile names a running server's settings; use --profiles without --server")
     if args.replay:
@@ -786,6 +797,7 @@ def main(argv=None) -> int:
                 print(f"{name:<16} vllm serve MODEL {' '.join(prof.server_args())}{extra}")
             return EXIT_OK
         args.log_dir = args.log_dir or os.path.dirname(os.path.abspath(args.out))
+        os.makedirs(args.log_dir, exist_ok=True)
         model = None if args.server else (os.path.abspath(args.model) if args.model else default_model())
         if args.replay:
             return replay(args, model)
@@ -836,7 +848,7 @@ def fuzz(args, names: list[str], shard: tuple[int, int], model: str | None) -> i
                 srv, tgt = open_target(args, model, prof, stock)
                 try:
                     settings = ({"server": args.server, "profile": name} if args.server else
-                                {"args": prof.server_args(args.kv_blocks, stock),
+                                {"args": serve_args(args, prof, stock),
                                  "VLLM_BATCH_INVARIANT": "0" if stock else "1"})
                     vocab = args.vocab or vocab_of(tgt.client.model)
                     run_profile(tgt, prof, args.seed, todo[name], done, stock, vocab, settings, tag, out, progress,

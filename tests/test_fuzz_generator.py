@@ -94,7 +94,29 @@ def test_first_diff_finds_the_first_token_or_logprob_that_differs():
 
 def test_usage_errors_exit_2_in_one_line(tmp_path, capsys):
     for argv in (["--shard", "2/2"], ["--profiles", "nope"], ["--server", "http://x"], ["--replay", "bi/x/0/1"],
-                 ["--out", str(tmp_path / "missing" / "f.jsonl")], ["--cases", "-3"]):
+                 ["--out", str(tmp_path / "missing" / "f.jsonl")], ["--cases", "-3"],
+                 ["--server", "http://x", "--profile", "mnbt64", "--server-args=--enforce-eager"]):
         assert fz.main(argv) == fz.EXIT_USAGE, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and "\n" not in err, (argv, err)
+
+
+@pytest.mark.parametrize("name", list(fz.PROFILES))
+def test_a_profile_asks_for_no_more_sequences_than_its_kv_cache_has_blocks(name):
+    # a decode step captured in a CUDA graph needs one state block per sequence (vLLM refuses to start otherwise)
+    prof = fz.PROFILES[name]
+    for blocks in (None, 4, 14, 40):
+        args = prof.server_args(blocks)
+        seqs = int(args[args.index("--max-num-seqs") + 1])
+        if prof.forces_preemption:
+            n = int(args[args.index("--num-gpu-blocks-override") + 1])
+            assert n == (blocks or prof.kv_blocks) and seqs == min(fz.MAX_SEQS, n)
+        else:
+            assert "--num-gpu-blocks-override" not in args and seqs == fz.MAX_SEQS
+
+
+def test_server_args_follow_the_profile_s_own(tmp_path):
+    args = fz.parse_args(["--server-args", "--gdn-prefill-backend triton", "--out", str(tmp_path / "f.jsonl")])
+    prof = fz.PROFILES["preempt"]
+    assert fz.serve_args(args, prof, False) == prof.server_args() + ["--gdn-prefill-backend", "triton"]
+    assert fz.serve_args(args, prof, True)[-3:] == ["--enforce-eager", "--gdn-prefill-backend", "triton"]

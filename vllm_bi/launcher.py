@@ -184,7 +184,8 @@ class VllmServer(VllmClient):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                self.proc.wait(timeout=10)
+                # a killed process still has to release its memory; on a loaded 2-core host that took over 10 s
+                self.proc.wait(timeout=60)
         if getattr(self, "_log", None):
             self._log.close()
 
