@@ -100,7 +100,7 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, p
     layer = mk(dim_first)
     conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
     layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))
-    slot, done, outs = [4, 0, 2][:n], [0] * n, [[] for _ in range(n)]
+    slot, done, outs = [4, 0, 2, 5][:n], [0] * n, [[] for _ in range(n)]
     for step in steps:
         on_step()
         dec = [i for i in range(n) if step[i] == 1 and done[i]]
@@ -181,6 +181,26 @@ def test_chunk_glue_decode_steps_read_the_ring_after_writing(dim_first):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
 
 
+def _partial_on_cpu(calls):
+    """``partial_blocks_in_slots`` (CUDA only) on CPU: the chunk core on the states read from their slots; a
+    segment of 64 rows writes the state at its block's end into its slot, and no other slot is written."""
+    from vllm_bi.gdn.chunk import CHUNK, gdn_chunk_varlen
+
+    def partial(q, k, v, g_, beta, pool, slot_t, cu, scale):
+        lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
+        calls.append(lens)
+        before = pool.clone()
+        o, finals = gdn_chunk_varlen(q, k, v, g_, beta, pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
+        whole = [j for j, n in enumerate(lens) if n == CHUNK]
+        for j in whole:
+            pool[slot_t[j]] = finals[j].transpose(-1, -2)
+        untouched = sorted(set(range(pool.shape[0])) - {int(slot_t[j]) for j in whole})
+        assert torch.equal(pool[untouched], before[untouched])
+        return o
+
+    return partial
+
+
 @pytest.mark.parametrize("whole_blocks", [False, True], ids=["whole-gathered", "whole-in-slots"])
 @pytest.mark.parametrize("dim_first", [False, True])
 def test_chunk_glue_with_states_in_slots(dim_first, whole_blocks):
@@ -191,24 +211,10 @@ def test_chunk_glue_with_states_in_slots(dim_first, whole_blocks):
     then gets the state at the block's end; no other slot is written there); the others' boundary states are
     gathered and stored."""
     from vllm_bi.gdn import chunk_decode as CD
-    from vllm_bi.gdn.chunk import gdn_chunk_varlen
 
     calls = []
-
-    def partial(q, k, v, g_, beta, pool, slot_t, cu, scale):
-        lens = [cu[j + 1] - cu[j] for j in range(len(cu) - 1)]
-        calls.append(lens)
-        before = pool.clone()
-        o, finals = gdn_chunk_varlen(q, k, v, g_, beta, pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
-        whole = [j for j, n in enumerate(lens) if n == CD.CHUNK]
-        for j in whole:
-            pool[slot_t[j]] = finals[j].transpose(-1, -2)
-        untouched = sorted(set(range(pool.shape[0])) - {int(slot_t[j]) for j in whole})
-        assert torch.equal(pool[untouched], before[untouched])
-        return o
-
     steps = [[40, 70, 63], [60, 1, 1], [49, 0, 1], [1, 0, 1]]
-    with mock.patch.object(CD, "partial_blocks_in_slots", partial), \
+    with mock.patch.object(CD, "partial_blocks_in_slots", _partial_on_cpu(calls)), \
             mock.patch.object(CD, "WHOLE_BLOCKS_IN_SLOTS", whole_blocks):
         got, ref = _serve_steps("chunk", [150, 71, 66], steps, dim_first, True, 5,
                                 patches=[("_in_place", lambda dev: True)])
@@ -217,6 +223,87 @@ def test_chunk_glue_with_states_in_slots(dim_first, whole_blocks):
     assert calls == ([[7, 64], [1], [22, 2]] if whole_blocks else [[7], [1], [22, 2]])
     for i in range(3):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+
+
+def _padded_core_on_cpu(calls):
+    """``padded_blocks_in_slots`` (fla-core's launches and the partial-block kernels: CUDA only) on CPU: each
+    segment's first ``lens[j]`` rows through the chunk core from the state in its slot; a 64-row segment writes the
+    state at its block's end into the slot. Its padding rows must not matter: they are filled with NaN here, so a
+    real row that read one would be NaN."""
+    from vllm_bi.gdn.chunk import CHUNK, gdn_chunk_varlen
+
+    def core(q, k, v, g_, beta, pool, slot_t, lens, scale):
+        n = lens.tolist()
+        calls.append(n)
+        N = slot_t.shape[0]
+        assert q.shape[0] == N * CHUNK
+        rows = torch.cat([torch.arange(CHUNK * j, CHUNK * j + n[j]) for j in range(N)])
+        cu = [0, *torch.tensor(n).cumsum(0).tolist()]
+        o_real, finals = gdn_chunk_varlen(q[rows], k[rows], v[rows], g_[rows], beta[rows],
+                                          pool[slot_t].transpose(-1, -2).contiguous(), cu, scale)
+        for j in range(N):
+            if n[j] == CHUNK:
+                pool[slot_t[j]] = finals[j].transpose(-1, -2)
+        o = torch.full_like(v, float("nan"))
+        o[rows] = o_real.to(o.dtype)
+        return o
+
+    return core
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_chunk_glue_padded_decode_steps_give_the_trainers_bits(dim_first):
+    """The chunk mode's capturable decode (``VLLM_BI_CHUNK_DECODE=padded``: indices built on the device from the
+    computed-token counts, every block padded to 64 rows) mixed with host-planned prefill steps: four requests
+    whose decodes sit 2 tokens into the sequence (conv rows before the start are zeros), complete a block (63 cached
+    rows + 1), start one and sit mid-block give exactly the trainer's outputs. The padded steps read nothing on the
+    host, and the control (padding rows read as real ones) differs."""
+    from vllm_bi.gdn import chunk_decode as CD
+    from vllm_bi.gdn import layer as L
+
+    calls, host_calls = [], []
+    padded = [("_padded_decode", lambda dev: True), ("_in_place", lambda dev: True)]
+    steps = [[2, 63, 64, 30], [1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 5, 0], [1, 1, 1, 1]]
+    with mock.patch.object(L, "padded_blocks_in_slots", _padded_core_on_cpu(calls)), \
+            mock.patch.object(CD, "partial_blocks_in_slots", _partial_on_cpu(host_calls)):
+        got, ref = _serve_steps("chunk", [5, 66, 72, 33], steps, dim_first, True, 11, patches=padded)
+    # each decode step: one segment per request, its block's rows so far (the prefill step went to the host plan)
+    assert calls == [[3, 64, 1, 31], [4, 1, 2, 32], [5, 2, 8, 33]]
+    assert host_calls == [[7]]  # the resumed prefill of request 2 (2 cached rows + 5): planned on the host
+    for i in range(4):
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+
+    def leaky(calls_):  # the control: the core takes every padded row as a real one
+        inner = _padded_core_on_cpu(calls_)
+        return lambda q, k, v, g_, beta, pool, slot_t, lens, scale: inner(q, k, v, g_, beta, pool, slot_t,
+                                                                          torch.full_like(lens, 64), scale)
+
+    with mock.patch.object(L, "padded_blocks_in_slots", leaky([])), \
+            mock.patch.object(CD, "partial_blocks_in_slots", _partial_on_cpu([])):
+        bad, _ = _serve_steps("chunk", [5, 66, 72, 33], steps, dim_first, True, 11, patches=padded)
+    assert not all(torch.equal(bad[i], ref[i]) for i in range(4))
+
+
+def test_padded_decode_plan_reads_nothing_on_the_host(monkeypatch):
+    """The chunk mode's padded decode plan (``VLLM_BI_CHUNK_DECODE=padded``) takes the slots and the computed-token
+    counts as device tensors: no host read, which a captured step cannot make."""
+    from vllm_bi.model_executor import gdn as G
+
+    md = types.SimpleNamespace(non_spec_query_start_loc=torch.tensor([0, 1, 2]), num_decode_tokens=2,
+                               non_spec_state_indices_tensor=torch.tensor([5, -1], dtype=torch.int32), num_decodes=2,
+                               num_prefills=0, has_initial_state=None,
+                               vllm_bi_num_computed=torch.tensor([70, 3], dtype=torch.int32))
+
+    def no_host_read(self, *a, **k):
+        raise AssertionError("the padded decode plan read a tensor on the host")
+
+    monkeypatch.setattr(G, "gdn_mode", lambda: "chunk")
+    monkeypatch.setattr(G, "_padded_decode", lambda dev: True)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", no_host_read)
+        m.setattr(torch.Tensor, "item", no_host_read)
+        plan = G.step_plan(md, torch.device("cpu"))
+    assert plan.padded and plan.starts.tolist() == [70, 3] and plan.slot_t.tolist() == [5, 0]
 
 
 @pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])

@@ -115,9 +115,14 @@ def test_auto_is_fast_on_cuda_and_portable_on_cpu():
 def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
     """auto never refuses: the chunk mode and --enforce-eager leave decode eager, with the reason; an explicit
     decode is still asked for (and refused by the engine config where it cannot run)."""
-    chunk = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_PRESET": "auto"})
+    chunk = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_CHUNK_DECODE": "host"})
     on, why = chunk.decode_graphs()
-    assert not on and "VLLM_BI_GDN_MODE=chunk" in why
+    assert not on and "VLLM_BI_GDN_MODE=chunk with VLLM_BI_CHUNK_DECODE=host" in why
+    padded = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_CHUNK_DECODE": "padded"})
+    assert padded.decode_graphs() == (True, "") and padded.chunk_decode_plan("cpu") == "host"
+    auto = S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk"})
+    assert auto.chunk_decode_plan("cuda") == S.CHUNK_DECODE_AUTO_CUDA
+    assert auto.decode_graphs()[0] == (S.CHUNK_DECODE_AUTO_CUDA == "padded")
     assert S.Settings.from_env({"VLLM_BI_PRESET": "auto"}).decode_graphs(enforce_eager=True) == (False, "--enforce-eager")
     assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_CUDA_GRAPHS": "decode"}).decode_graphs() == (
         True, "")

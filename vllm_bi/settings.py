@@ -54,6 +54,9 @@ class _Spec:
 DEFAULT_PRESET = "auto"
 # What VLLM_BI_ROWWISE=auto runs on CUDA. A change here changes CUDA's bits, as DEFAULT_PRESET does.
 ROWWISE_AUTO_CUDA = "triton"
+# How VLLM_BI_CHUNK_DECODE=auto plans the chunk mode's decode steps on CUDA. Both plans give the same bits; a change
+# here changes which kernels CUDA runs, so it lands with a GPU gate run as DEFAULT_PRESET does.
+CHUNK_DECODE_AUTO_CUDA = "host"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -74,6 +77,9 @@ SETTINGS = (
           f"kernels; auto: {ROWWISE_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
+    _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
+          "the chunk mode's decode steps on CUDA: planned on the host (eager only), or every block padded to 64 rows "
+          f"with its indices built on the device (capturable; the same bits); auto: {CHUNK_DECODE_AUTO_CUDA}"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
           "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
@@ -129,6 +135,7 @@ class Settings:
     attention: str = "auto"
     rowwise: str = "auto"
     moe: str = "auto"
+    chunk_decode: str = "auto"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False
@@ -194,6 +201,13 @@ class Settings:
             return "triton" if device == "cuda" else "loop"
         return self.moe
 
+    def chunk_decode_plan(self, device: str) -> str:
+        """How the chunk mode plans a decode step on ``device``: ``padded`` (CUDA only: indices on the device,
+        capturable) or ``host``."""
+        if device != "cuda":
+            return "host"
+        return CHUNK_DECODE_AUTO_CUDA if self.chunk_decode == "auto" else self.chunk_decode
+
     def gemm_on(self, device: str) -> str:
         """The GEMM arithmetic on ``device`` (``fp64`` or ``triton``; CPU tensors always take float64)."""
         if device != "cuda":
@@ -254,9 +268,9 @@ class Settings:
         """What keeps a CUDA decode step from being captured under these settings (and a model with MoE layers or
         not); empty if nothing does."""
         why = []
-        if self.gdn_mode == "chunk":
-            why.append("VLLM_BI_GDN_MODE=chunk (decode recomputes partial blocks planned on the host; use recurrent "
-                       "or hybrid)")
+        if self.gdn_mode == "chunk" and self.chunk_decode_plan("cuda") == "host":
+            why.append("VLLM_BI_GDN_MODE=chunk with VLLM_BI_CHUNK_DECODE=host (decode steps planned on the host; "
+                       "use VLLM_BI_CHUNK_DECODE=padded)")
         if self.attention_op("cuda") != "triton":
             why.append(f"VLLM_BI_ATTENTION={self.attention_op('cuda')} (rows grouped on the host; use triton)")
         if self.cuda_ops != "vllm_bi":

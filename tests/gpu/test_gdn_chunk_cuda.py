@@ -319,3 +319,93 @@ def test_chunk_server_step_in_slots_equals_gathered_states(whole_blocks):
     assert not bad, f"requests {bad} differ: {[reqs[j] for j in bad]}"
     assert torch.equal(c1, c2)
     assert torch.equal(s1, s2)
+
+
+def _decode_step_case(counts, seed):
+    """A chunk-mode layer, widened conv histories and state slots holding garbage (a padded row that read one would
+    show), and one decode step's inputs and metadata for requests with ``counts`` computed tokens each, in
+    shuffled slots (slot 0, vLLM's null block, left out)."""
+    import types
+
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    W = 4
+    D, R = 2 * H * K + HV * V, CHUNK + W - 1
+    gen = torch.Generator().manual_seed(seed)
+    N, S = len(counts), len(counts) + 4
+    dim_first = is_conv_state_dim_first()
+    conv = torch.randn(S, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16().to(DEV)
+    ssm = (torch.randn(S, HV, V, K, generator=gen) * 0.1).to(DEV)
+    layer = types.SimpleNamespace(
+        conv1d=types.SimpleNamespace(weight=(torch.randn(D, 1, W, generator=gen) * 0.3).bfloat16().to(DEV)),
+        num_k_heads=H, tp_size=1, head_k_dim=K, head_v_dim=V, A_log=A_LOG.to(DEV), dt_bias=DT_BIAS.to(DEV),
+        activation="silu", prefix="test")
+    inputs = [torch.randn(N, D, generator=gen).bfloat16().to(DEV),
+              *(torch.randn(N, HV, generator=gen).bfloat16().to(DEV) for _ in range(2))]
+    md = types.SimpleNamespace(
+        num_actual_tokens=N, num_spec_decodes=0, spec_sequence_masks=None,
+        non_spec_query_start_loc=torch.arange(N + 1, device=DEV),
+        non_spec_state_indices_tensor=(1 + torch.randperm(S - 1, generator=gen)[:N]).int().to(DEV),
+        num_decodes=N, num_prefills=0, num_decode_tokens=N, has_initial_state=None,
+        vllm_bi_num_computed=torch.tensor(counts, dtype=torch.int32, device=DEV))
+    return layer, (conv, ssm), inputs, md
+
+
+def _step(layer, caches, inputs, md, padded):
+    from unittest import mock
+
+    from vllm_bi.model_executor import gdn as G
+
+    layer.kv_cache = caches
+    mixed, a, b = inputs
+    out = torch.zeros(mixed.shape[0], HV, V, device=DEV, dtype=torch.bfloat16)
+    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"), \
+            mock.patch.object(G, "_padded_decode", return_value=padded):
+        G.bi_gdn_core(layer, mixed, b, a, out)
+    return out
+
+
+def test_padded_chunk_decode_equals_the_host_plan_and_replays_in_a_cuda_graph():
+    """The chunk mode's capturable decode step (``VLLM_BI_CHUNK_DECODE=padded``: every block padded to 64 rows,
+    indices built on the device) == the host-planned step, bit for bit: outputs, conv histories and every state slot,
+    for 256 decodes at every offset in a block (2 tokens into the sequence, just past a boundary, completing a
+    block) from slots holding garbage. Then the step captured in a CUDA graph and replayed on new inputs and new
+    computed-token counts written into the captured buffers == the same step run eagerly."""
+    pytest.importorskip("vllm")
+    counts = [2, 1, 63, 64, 127] + [3 * CHUNK + (7 * i) % CHUNK for i in range(251)]
+    layer, (conv, ssm), inputs, md = _decode_step_case(counts, 21)
+    import copy
+
+    host = _step(layer, (conv.clone(), ssm.clone()), inputs, copy.copy(md), False)
+    caches_h = layer.kv_cache
+    padded = _step(layer, (conv.clone(), ssm.clone()), inputs, copy.copy(md), True)
+    caches_p = layer.kv_cache
+    assert host.abs().sum() > 0 and torch.isfinite(host.float()).all()
+    bad = [j for j in range(len(counts)) if not torch.equal(host[j], padded[j])]
+    assert not bad, f"requests {bad[:10]} differ (computed tokens {[counts[j] for j in bad[:10]]})"
+    assert torch.equal(caches_h[0], caches_p[0]), "conv histories differ"
+    assert torch.equal(caches_h[1], caches_p[1]), "state slots differ"
+
+    # the graph: captured on static buffers, replayed after new inputs and counts are written into them
+    counts2 = [(c + 5) % (4 * CHUNK) + 1 for c in counts]
+    _, _, inputs2, md2 = _decode_step_case(counts2, 22)
+    static = [t.clone() for t in inputs]
+    static_md = copy.copy(md)
+    static_md.vllm_bi_num_computed = md.vllm_bi_num_computed.clone()
+    g_conv, g_ssm = conv.clone(), ssm.clone()
+    _step(layer, (conv.clone(), ssm.clone()), static, copy.copy(static_md), True)  # warm-up: compile, tune
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_out = _step(layer, (g_conv, g_ssm), static, copy.copy(static_md), True)
+    for s, t in zip(static, inputs2):
+        s.copy_(t)
+    static_md.vllm_bi_num_computed.copy_(md2.vllm_bi_num_computed)
+    static_md.non_spec_state_indices_tensor.copy_(md2.non_spec_state_indices_tensor)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _step(layer, (conv.clone(), ssm.clone()), inputs2, copy.copy(md2), True)
+    e_conv, e_ssm = layer.kv_cache
+    bad = [j for j in range(len(counts2)) if not torch.equal(g_out[j], eager[j])]
+    assert not bad, f"replayed requests {bad[:10]} differ (computed tokens {[counts2[j] for j in bad[:10]]})"
+    assert torch.equal(g_conv, e_conv) and torch.equal(g_ssm, e_ssm), "the replay's caches differ"

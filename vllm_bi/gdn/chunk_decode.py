@@ -35,7 +35,7 @@ from vllm_bi.gdn.chunk import _packed, gdn_chunk_varlen, pin_fla_chunk_configs
 from vllm_bi.gdn.slots import check_slot_pool
 from vllm_bi.ops.device import index_on
 
-__all__ = ["chunk_in_slots", "partial_blocks_in_slots", "partial_block_outputs", "block_intermediates"]
+__all__ = ["chunk_in_slots", "partial_blocks_in_slots", "padded_blocks_in_slots", "partial_block_outputs", "block_intermediates"]
 
 CHUNK = 64
 BV = 64  # fla-core's output kernel tile (pinned: BK 64, BV 64, 4 warps)
@@ -71,7 +71,7 @@ if triton is not None:
             return tl.math.exp2(x.to(tl.float32))
 
     @triton.jit
-    def _partial_block_kernel(q, k, w, u, g, o, pool, slot_stride, slots, cu, scale,
+    def _partial_block_kernel(q, k, w, u, g, o, pool, slot_stride, slots, cu, ends, scale,
                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BT: tl.constexpr, BVO: tl.constexpr, TWO: tl.constexpr, HEADS: tl.constexpr,
                               VBLOCKS: tl.constexpr):
@@ -84,7 +84,7 @@ if triton is not None:
         hv0 = (pid % (HV // HEADS)) * HEADS
         hk = hv0 // (HV // H)
         first = tl.load(cu + seq).to(tl.int64)
-        n = tl.load(cu + seq + 1).to(tl.int64) - first
+        n = tl.load(ends + seq).to(tl.int64) - first  # rows past n (to the next segment, or padding) are not read
         slot = tl.load(slots + seq).to(tl.int64)
         rows = tl.arange(0, BT)
         row_ok = rows < n
@@ -136,7 +136,7 @@ if triton is not None:
 
 
     @triton.jit
-    def _block_state_kernel(k, w, u, g, pool, slot_stride, slots, cu, seqs, H: tl.constexpr, HV: tl.constexpr,
+    def _block_state_kernel(k, w, u, g, pool, slot_stride, slots, cu, ends, seqs, H: tl.constexpr, HV: tl.constexpr,
                             K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BVS: tl.constexpr,
                             TWO: tl.constexpr):
         # the state after one whole block from the boundary state in the slot, written back into the slot: fla-core's
@@ -147,9 +147,11 @@ if triton is not None:
         vb = tl.program_id(0).to(tl.int64)
         seq_head = tl.program_id(1).to(tl.int64)
         seq = tl.load(seqs + seq_head // HV).to(tl.int64)
+        first = tl.load(cu + seq).to(tl.int64)
+        if tl.load(ends + seq).to(tl.int64) - first != BT:  # a padded launch's block that does not complete
+            return
         hv = seq_head % HV
         hk = hv // (HV // H)
-        first = tl.load(cu + seq).to(tl.int64)
         slot = tl.load(slots + seq).to(tl.int64)
         rows = tl.arange(0, BT)
         ks = tl.arange(0, 64)
@@ -193,13 +195,15 @@ def _check(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: in
 
 def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
                           pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
-                          whole: torch.Tensor | None = None) -> torch.Tensor:
+                          whole: torch.Tensor | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
     """Step 2 of the module doc alone: ``q, k [T, H, K]`` l2-normalised (bf16), ``w [T, HV, K]``, ``u [T, HV, V]``
     (fla-core's WY form, bf16), ``g [T, HV]`` the cumulative gate per block (log2 scale, fp32), ``pool [S, HV, K,
     V]`` fp32 (fla-core's state order, each slot contiguous), ``slots [N]``, ``cu [N + 1]`` (device; every segment
     1..64 rows, starting at a boundary). Returns ``o [T, HV, V]`` in ``u.dtype``. ``whole`` (device indices of the
     segments of 64 rows): after the outputs, their slots get the state at the block's end (fla-core's state
-    kernel's step: tile 64 keys x 32 values, 4 warps, 4 stages, as pinned); the other slots are only read."""
+    kernel's step: tile 64 keys x 32 values, 4 warps, 4 stages, as pinned); the other slots are only read.
+    ``ends [N]`` (device): where each segment's rows end, when not at the next segment's start (padded segments,
+    :func:`padded_blocks_in_slots`); a segment in ``whole`` whose rows end short of 64 keeps its slot."""
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     _check("partial_block_outputs", q, pool, HV, K, V)
@@ -210,12 +214,13 @@ def partial_block_outputs(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, u: 
         launch = dict(PARTIAL_LAUNCH)
         heads = HV // H if launch.pop("group") else 1
         vblocks = triton.cdiv(V, BV) if launch.pop("all_v") else 1
+        ends = cu[1:] if ends is None else ends
         _partial_block_kernel[(triton.cdiv(V, BV) // vblocks, N * HV // heads)](
-            q, k, w, u, g, o, pool, pool.stride(0), slots, cu, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
+            q, k, w, u, g, o, pool, pool.stride(0), slots, cu, ends, scale, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVO=BV,
             TWO=K > 64, HEADS=heads, VBLOCKS=vblocks, **launch)
         if whole is not None and whole.numel():  # after the outputs, which read the boundary states
             _block_state_kernel[(triton.cdiv(V, BV_STATE), whole.numel() * HV)](
-                k, w, u, g, pool, pool.stride(0), slots, cu, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,
+                k, w, u, g, pool, pool.stride(0), slots, cu, ends, whole, H=H, HV=HV, K=K, V=V, BT=CHUNK, BVS=BV_STATE,
                 TWO=K > 64, **STATE_LAUNCH)
     return o
 
@@ -237,6 +242,26 @@ def partial_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     whole = [j for j, n in enumerate(lens) if n == CHUNK]
     return partial_block_outputs(qn, kn, w, u, gc, pool, slots, cu_t, scale,
                                  index_on(whole, q.device) if whole else None)
+
+
+def padded_blocks_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           pool: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`partial_blocks_in_slots` with nothing read on the host, so that a CUDA graph can capture it (the chunk
+    mode's decode steps, ``VLLM_BI_CHUNK_DECODE=padded``): segment ``j`` is rows ``64 j .. 64 j + 63`` of the
+    inputs, of which the first ``lens[j]`` (device, 1..64) are its block's rows since the boundary and the rest
+    padding (any finite values). Returns ``o [64 N, HV, V]``; rows past a segment's ``lens`` are not written.
+    A segment of 64 rows writes the state at its block's end into its slot.
+
+    The same bits as :func:`partial_blocks_in_slots` on the unpadded segments: fla-core's launches before the
+    state kernel give a block's row the same bits whatever rows follow it (``benchmarks/row_prefix_bits.py``, on
+    the H200), and the kernels here read no row past ``lens``."""
+    N = slots.shape[0]
+    _check("padded_blocks_in_slots", q, pool, v.shape[1], k.shape[2], v.shape[2])
+    if q.shape[0] != N * CHUNK:
+        raise ValueError(f"padded_blocks_in_slots: {N} segments need {N * CHUNK} rows, got {q.shape[0]}")
+    qn, kn, gc, w, u, cu_t = block_intermediates(q, k, v, g, beta, [CHUNK * j for j in range(N + 1)])
+    return partial_block_outputs(qn, kn, w, u, gc, pool, slots, cu_t, scale, index_on(range(N), q.device),
+                                 ends=cu_t[:-1] + lens)
 
 
 def block_intermediates(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from vllm_bi.gdn.chunk import gdn_chunk_varlen, gdn_hybrid_varlen
-from vllm_bi.gdn.chunk_decode import chunk_in_slots
+from vllm_bi.gdn.chunk_decode import chunk_in_slots, padded_blocks_in_slots
 from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent, gdn_recurrent_varlen
 from vllm_bi.gdn.slots import recurrent_in_slots
 from vllm_bi.ops import pointwise
@@ -191,6 +191,7 @@ def gdn_varlen(
     chunk_rows: list[int] | None = None,
     slots: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
@@ -217,7 +218,10 @@ def gdn_varlen(
     written back into the slot in place (:func:`vllm_bi.gdn.slots.recurrent_in_slots`, fla-core's
     fused recurrent arithmetic). Chunk mode: ``fresh`` holds the host indices of the new sequences, and the
     state at each sequence's last boundary is written back where that boundary moved
-    (:func:`vllm_bi.gdn.chunk_decode.chunk_in_slots`).
+    (:func:`vllm_bi.gdn.chunk_decode.chunk_in_slots`). Chunk mode with ``lens`` (device, one per sequence): every
+    range is one block padded to ``CHUNK`` rows, of which the first ``lens[j]`` are the sequence's
+    (:func:`vllm_bi.gdn.chunk_decode.padded_blocks_in_slots`: nothing read on the host; rows past ``lens`` are not
+    written).
     """
     key_dim = num_k_heads * head_k_dim
     cu = [0]
@@ -255,6 +259,9 @@ def gdn_varlen(
         if mode == "recurrent":
             o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5,
                                    fresh)
+        elif mode == "chunk" and lens is not None:
+            o = padded_blocks_in_slots(q, k, v, g.contiguous(), beta.contiguous(), states, slots, lens,
+                                       head_k_dim**-0.5)
         elif mode == "chunk":
             o = chunk_in_slots(q, k, v, g.contiguous(), beta.contiguous(), states, slots, cu,
                                () if fresh is None else fresh)

@@ -47,7 +47,18 @@ class BIGDNMetadataBuilder(_GDNBuilderBase):
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
-        md.vllm_bi_num_computed = common_attn_metadata.compute_num_computed_tokens()
+        computed = common_attn_metadata.compute_num_computed_tokens()
+        if _padded_decode(computed.device) and self._stage_decode(md.num_prefills, md.num_decodes,
+                                                                  md.num_spec_decodes):
+            # a decode step a CUDA graph may replay: the counts go where the captured step reads them, as vLLM's
+            # own decode buffers do (entries past the step's requests are padding: their slot is the null block)
+            buf = getattr(self, "_vllm_bi_computed", None)
+            if buf is None or buf.device != computed.device:
+                buf = self._vllm_bi_computed = torch.zeros(self.decode_cudagraph_max_bs, dtype=computed.dtype,
+                                                           device=computed.device)
+            buf[: md.num_decodes].copy_(computed[: md.num_decodes], non_blocking=True)
+            computed = buf[: max(md.num_decodes, common_attn_metadata.num_reqs)]
+        md.vllm_bi_num_computed = computed
         if gdn_mode() == "hybrid":
             if STEP_PROMPT_LENS is None:
                 raise RuntimeError("vllm_bi: VLLM_BI_GDN_MODE=hybrid needs each request's prompt length, and this "
@@ -67,6 +78,13 @@ class BIGDNAttentionBackend(_GDNBase):
     @staticmethod
     def get_builder_cls():
         return BIGDNMetadataBuilder
+
+
+def _padded_decode(dev) -> bool:
+    """Whether the chunk mode's decode steps run padded, planned on the device (``VLLM_BI_CHUNK_DECODE``)."""
+    from vllm_bi.settings import current
+
+    return gdn_mode() == "chunk" and current().chunk_decode_plan(torch.device(dev).type) == "padded"
 
 
 def _split_qkvz(layer, hidden_states: torch.Tensor):
@@ -134,6 +152,9 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     slot_t = plan.slot_t
     dim_first = is_conv_state_dim_first()
     kv_layout = _kv_layout(dev)
+    if plan.padded:
+        _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first)
+        return
     if mode == "hybrid" and plan.chunk_rows is None:  # every request past its prompt's last boundary
         _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         return
@@ -200,6 +221,7 @@ class StepPlan:
     def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=(), prompts=None):
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
         self.fresh_host = list(fresh_host)  # ``fresh`` on the host
+        self.padded = False  # a chunk-mode decode step planned on the device (_chunk_decode_padded; starts: device)
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
         self._fresh_flags = None
         # hybrid mode: per request, the cached rows it re-runs (``recompute``: its position past its last
@@ -239,6 +261,10 @@ def _build_plan(md, dev) -> StepPlan | None:
         # counts as a decode) may need chunk rows; a replayed step has none (patch.gdn_backend.prompt_chunk_scheduled)
         if mode == "recurrent" or (mode == "hybrid" and _capturing(dev)):
             return _decode_plan(md, n_dec, dev)
+        if mode == "chunk" and _padded_decode(dev):
+            plan = _decode_plan(md, n_dec, dev)
+            plan.starts, plan.padded = md.vllm_bi_num_computed[:n_dec].long(), True
+            return plan
     # Scheduled sequences: decodes first, then prefills; a decode always continues from its state.
     qsl = md.non_spec_query_start_loc.tolist()
     slots = md.non_spec_state_indices_tensor.tolist()
@@ -406,6 +432,45 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     if hybrid:  # shifted: the whole new history
         new_hist = full[ix.write_src] if full is not None else _take(head, raw, ix.write_src)
         hist_cache[plan.slot_t] = new_hist.reshape(N, R, C)
+
+
+def _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first):
+    """The chunk mode's decode step with nothing read on the host (``VLLM_BI_CHUNK_DECODE=padded``, CUDA), so that
+    a CUDA graph can capture it: :func:`_chunk_core`'s ring path with every request's partial block padded to
+    ``CHUNK`` rows. Request ``j``'s new token sits at position ``p = plan.starts[j]`` (device); its block's rows
+    are positions ``p - p % CHUNK .. p``, read from the ring after its new row is written (row ``p % R``), and the
+    rows after ``p`` are zeros (the conv reads them as zero rows, ``a`` and ``b`` are zeroed). Each real row gets
+    the bits of the host-planned step: the conv and the gating are per row, fla-core's launches give a row the same
+    bits whatever rows follow it, and the partial-block kernel reads only the real rows
+    (:func:`vllm_bi.gdn.chunk_decode.padded_blocks_in_slots`). A request whose block completes writes the state
+    at its end into its slot there; no other slot is written. Padded entries of a replayed batch use slot 0,
+    vLLM's null block."""
+    W, D, HV = weight.shape[-1], mixed_qkv.shape[1], a.shape[1]
+    hist = conv_cache.transpose(1, 2) if dim_first else conv_cache  # [S, R, C], a view
+    R = hist.shape[1]
+    slot, pos = plan.slot_t, plan.starts
+    N, dev = slot.shape[0], mixed_qkv.device
+    raw = torch.cat([t[:N].to(mixed_qkv.dtype).to(conv_cache.dtype) for t in (mixed_qkv, a, b)], dim=-1)
+    hist[slot, pos % R] = raw  # the new rows first: the blocks are then read from the ring
+    off = pos % CHUNK
+    first = pos - off  # the block's first position
+    span = first[:, None] - (W - 1) + torch.arange(W - 1 + CHUNK, device=dev)  # conv rows, then block rows
+    ext = torch.where((span >= 0) & (span <= pos[:, None]), slot[:, None] * R + span % R, -1).flatten()
+    seq = torch.arange(N * CHUNK, device=dev) // CHUNK
+    blk = span[:, W - 1 :]
+    ab = hist[slot[:, None], blk % R, D:]  # [N, CHUNK, 2 HV]: the blocks' a and b columns
+    ab = torch.where((blk <= pos[:, None])[..., None], ab, 0).reshape(N * CHUNK, 2 * HV)
+    o, _, _ = gdn_varlen(
+        RingRows(hist, ext, seq), _padded_ranges(N), weight, None, layer.A_log, ab[:, :HV], ab[:, HV:],
+        layer.dt_bias, state_memory(ssm_cache, True), layer.num_k_heads // layer.tp_size, layer.head_k_dim,
+        layer.head_v_dim, layer.activation, mode="chunk", packed=True, slots=slot, lens=off + 1,
+    )
+    out[:N] = o.view(N, CHUNK, *o.shape[1:])[torch.arange(N, device=dev), off].to(out.dtype)
+
+
+@lru_cache(maxsize=64)
+def _padded_ranges(n: int) -> list[tuple[int, int]]:
+    return [(CHUNK * i, CHUNK * (i + 1)) for i in range(n)]
 
 
 def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):

@@ -166,7 +166,8 @@ def _check_graphs(config) -> None:
 
     By default vllm_bi runs CUDA steps eagerly: its glue plans each step on the host. A step of one-token decodes
     needs no host plan: the GDN glue (recurrent and hybrid modes) reads its state slots from the metadata's device
-    tensor and the Triton attention builds its tiles on the device. With this setting vLLM captures such steps whole
+    tensor, the chunk mode with ``VLLM_BI_CHUNK_DECODE=padded`` builds its block indices on the device from the
+    computed-token counts, and the Triton attention builds its tiles on the device. With this setting vLLM captures such steps whole
     (``cudagraph_mode=FULL_DECODE_ONLY``, no torch.compile) and replays them; prefills and mixed steps stay eager. A
     captured step runs the same kernels on the same rows as an eager one, so its bits are the same; padded rows read
     and write vLLM's null slot and block. :meth:`vllm_bi.settings.Settings.graph_blockers` lists what a decode step
