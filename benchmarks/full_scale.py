@@ -6,7 +6,8 @@ The checkpoint is a real-size one (``vllm-bi make-checkpoint qwen3.5-9b DIR``: t
 weights). Parts:
 
 * ``serve``: for each side (``stock``: ``VLLM_BATCH_INVARIANT=0``; ``vllm_bi``: ``VLLM_BATCH_INVARIANT=1`` and no other
-  setting, so the defaults) one ``vllm serve`` with the same arguments, then, over fixed windows of wall time
+  setting, so the defaults; ``vllm_bi:VLLM_BI_X=VALUE``: the defaults but that setting, to weigh a candidate default
+  in the same run) one ``vllm serve`` with the same arguments, then, over fixed windows of wall time
   (``--window`` seconds; a request still running at the end is waited for and counted):
 
   - prefill: 64 clients each sending 1K-token prompts with ``max_tokens=1`` back to back -> prompt tokens/s;
@@ -134,26 +135,46 @@ def rl_wave(srv, prompts: int, samples: int, prompt_len: int, max_tokens: int, v
     return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen}
 
 
+def parse_side(side: str) -> tuple[bool, dict]:
+    """``stock``, ``vllm_bi`` (the defaults) or ``vllm_bi:VAR=VALUE[:VAR=VALUE...]`` (the defaults but those
+    ``VLLM_BI_*`` settings): ``(batch invariant, the settings)``. Raises ``ValueError`` naming a bad side."""
+    name, *sets = side.split(":")
+    if name not in ("stock", "vllm_bi") or (name == "stock" and sets):
+        raise ValueError(f"side {side!r}: use stock, vllm_bi or vllm_bi:VLLM_BI_X=VALUE[:VLLM_BI_Y=VALUE]")
+    env = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("VLLM_BI_"):
+            raise ValueError(f"side {side!r}: {item!r} is not VLLM_BI_X=VALUE")
+        env[key] = value
+    return name == "vllm_bi", env
+
+
 def side_env(side: str) -> dict:
     """The server environment of ``side``: batch invariance on for ``vllm_bi`` with its defaults (no ``VLLM_BI_*``
-    setting reaches the server), off for ``stock``."""
+    setting reaches the server but those the side names), off for ``stock``."""
     from vllm_bi.launcher import cpu_env
 
-    bi = side == "vllm_bi"
+    bi, settings = parse_side(side)
     env = cpu_env(bi)
     if bi:
         for k in [k for k in env if k.startswith("VLLM_BI_")]:
             del env[k]
+        env.update(settings)
     return env
+
+
+def _file_label(side: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", side)
 
 
 def serve_side(side: str, model: str, server_args: str, window: float, vocab: int, log_dir: str) -> dict:
     from vllm_bi.launcher import VllmServer
 
-    bi = side == "vllm_bi"
+    bi = parse_side(side)[0]
     env = side_env(side)
     args = shlex.split(server_args) + shlex.split(DEVIATIONS)
-    log_path = os.path.join(log_dir, f"server-{side}.log")
+    log_path = os.path.join(log_dir, f"server-{_file_label(side)}.log")
     r: dict = {"side": side}
     t0 = time.time()
     with PeakMemory() as mem:
@@ -205,16 +226,24 @@ def serve_table(rows: list[dict]) -> list[str]:
                ("peak device memory MiB", ("peak_mem_mib",), "none"),
                ("server start s", ("startup_s",), "none")]
     by = {r["side"]: r for r in rows}
-    out = ["| metric | stock | vllm_bi | vllm_bi cost |", "| --- | ---: | ---: | ---: |"]
+    others = [r["side"] for r in rows if r["side"] != "stock"] or ["vllm_bi"]
+    head = ["metric", "stock"]
+    for side in others:
+        head += [side, f"{side} cost" if len(others) > 1 else "vllm_bi cost"]
+    out = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
+    cell = lambda v: "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")  # noqa: E731
     for label, path, kind in metrics:
-        a, b = get(by.get("stock", {}), *path), get(by.get("vllm_bi", {}), *path)
-        cell = lambda v: "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")  # noqa: E731
-        ratio = ""
-        if a and b and kind == "thr":
-            ratio = f"{a / b:.2f}x slower" if "tok/s" in label else f"{b / a:.2f}x of stock"
-        elif a and b and kind == "time":
-            ratio = f"{b / a:.2f}x"
-        out.append(f"| {label} | {cell(a)} | {cell(b)} | {ratio} |")
+        a = get(by.get("stock", {}), *path)
+        cells = [label, cell(a)]
+        for side in others:
+            b = get(by.get(side, {}), *path)
+            ratio = ""
+            if a and b and kind == "thr":
+                ratio = f"{a / b:.2f}x slower" if "tok/s" in label else f"{b / a:.2f}x of stock"
+            elif a and b and kind == "time":
+                ratio = f"{b / a:.2f}x"
+            cells += [cell(b), ratio]
+        out.append("| " + " | ".join(cells) + " |")
     for r in rows:
         out.append(f"\n{r['side']}: {r.get('arithmetic', '')}")
     return out
@@ -261,9 +290,9 @@ def _trace_kernels(trace_dir: str, since: float) -> dict[str, float]:
 def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: str) -> dict:
     from vllm_bi.launcher import VllmServer
 
-    bi = side == "vllm_bi"
+    bi = parse_side(side)[0]
     env = side_env(side)
-    trace_dir = os.path.join(log_dir, f"trace-{side}")
+    trace_dir = os.path.join(log_dir, f"trace-{_file_label(side)}")
     os.makedirs(trace_dir, exist_ok=True)
     cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
                       "ignore_frontend": True,
@@ -271,7 +300,7 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
     args = shlex.split(server_args) + shlex.split(DEVIATIONS) + ["--profiler-config", cfg]
     r: dict = {"side": side}
     with VllmServer(model, batch_invariant=bi, args=args, env=env, startup_timeout=480,
-                    log_path=os.path.join(log_dir, f"server-profile-{side}.log")) as srv:
+                    log_path=os.path.join(log_dir, f"server-profile-{_file_label(side)}.log")) as srv:
         rng = random.Random(40)
         for mt in (1, 65):  # warm-up: the same shapes, unprofiled
             srv.complete_many([dict(prompt_ids=p, max_tokens=mt, ignore_eos=True) for p in _prompts(64, 1024, vocab, rng)],
@@ -359,7 +388,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="", help="a full-size checkpoint (vllm-bi make-checkpoint)")
     ap.add_argument("--part", default="serve", choices=["serve", "parity", "profile", "all"])
-    ap.add_argument("--sides", default="stock,vllm_bi", help="comma-separated: stock, vllm_bi (serve part)")
+    ap.add_argument("--sides", default="stock,vllm_bi",
+                    help="comma-separated: stock, vllm_bi (the defaults), vllm_bi:VLLM_BI_X=VALUE[:...] (the defaults "
+                         "but those settings)")
     ap.add_argument("--window", type=float, default=15.0, help="seconds of wall time per measured phase")
     ap.add_argument("--server-args", default=SERVER_ARGS, help="`vllm serve` arguments for both sides")
     ap.add_argument("--out", default="full_scale.md", help="the table (rewritten as rows come)")
@@ -377,8 +408,11 @@ def main() -> int:
     if not os.path.exists(os.path.join(args.model, "config.json")):
         ap.error(f"{args.model}: no config.json; write one with `vllm-bi make-checkpoint qwen3.5-9b {args.model}`")
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if set(sides) - {"stock", "vllm_bi"}:
-        ap.error(f"--sides: unknown {sorted(set(sides) - {'stock', 'vllm_bi'})}; use stock, vllm_bi")
+    for side in sides:
+        try:
+            parse_side(side)
+        except ValueError as e:
+            ap.error(f"--sides: {e}")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     from transformers import AutoConfig
 

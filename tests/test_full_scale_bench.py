@@ -31,6 +31,23 @@ def test_table_ratios():
     assert "| generation tok/s at 256 | n/a | n/a |  |" in text  # a phase not measured stays empty
 
 
+def test_sides_name_their_settings_and_get_a_column_each():
+    import pytest
+
+    assert FS.parse_side("stock") == (False, {})
+    assert FS.parse_side("vllm_bi") == (True, {})
+    assert FS.parse_side("vllm_bi:VLLM_BI_GDN_MODE=chunk:VLLM_BI_CHUNK_DECODE=padded") == (
+        True, {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_CHUNK_DECODE": "padded"})
+    for bad in ("stock:VLLM_BI_GDN_MODE=chunk", "vllm_bi:GDN_MODE=chunk", "vllm_bi:VLLM_BI_GDN_MODE", "bi"):
+        with pytest.raises(ValueError, match="side"):
+            FS.parse_side(bad)
+    rows = [{"side": "stock", "prefill": {"tok_s": 1000.0}}, {"side": "vllm_bi", "prefill": {"tok_s": 800.0}},
+            {"side": "vllm_bi:VLLM_BI_GDN_MODE=chunk", "prefill": {"tok_s": 900.0}}]
+    text = "\n".join(FS.serve_table(rows))
+    assert "| metric | stock | vllm_bi | vllm_bi cost | vllm_bi:VLLM_BI_GDN_MODE=chunk | " in text
+    assert "| prefill tok/s (64 clients, 1K prompts) | 1,000 | 800 | 1.25x slower | 900 | 1.11x slower |" in text
+
+
 def test_profile_parts_and_decode_difference(tmp_path):
     # kernel names as they appear in H200 traces: cuBLAS, vLLM's persistent matmul, FlashAttention, fla-core
     assert FS.part_of("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT") == "GEMM"

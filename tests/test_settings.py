@@ -112,6 +112,21 @@ def test_auto_is_fast_on_cuda_and_portable_on_cpu():
     assert "VLLM_BI_PRESET=portable" in S.describe_diff(cuda, portable.arithmetic("cuda"))
 
 
+def test_auto_gdn_mode_resolves_once_per_process(monkeypatch):
+    """``VLLM_BI_GDN_MODE=auto`` (the default) is a concrete mode in every Settings: the recurrent one without a CUDA
+    device, :data:`GDN_MODE_AUTO_CUDA` with one; an explicit mode is kept."""
+    import torch
+
+    assert S.Settings().gdn_mode == S.Settings.from_env({"VLLM_BI_GDN_MODE": "auto"}).gdn_mode
+    monkeypatch.setattr(S, "GDN_MODE_AUTO_CUDA", "chunk")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert S.Settings.from_env({}).gdn_mode == "recurrent"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert S.Settings.from_env({}).gdn_mode == "chunk" and S.Settings().arithmetic("cuda")["gdn_mode"] == "chunk"
+    assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "recurrent"}).gdn_mode == "recurrent"
+    assert S.Settings.from_dict({"gdn_mode": "hybrid"}).gdn_mode == "hybrid"
+
+
 def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
     """auto never refuses: the chunk mode and --enforce-eager leave decode eager, with the reason; an explicit
     decode is still asked for (and refused by the engine config where it cannot run)."""
@@ -129,7 +144,7 @@ def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of recurrent, chunk, hybrid"),
+    ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of auto, recurrent, chunk, hybrid"),
     ({"VLLM_BI_PRESET": "quick"}, "VLLM_BI_PRESET='quick' is not a setting; use one of auto, portable, fast"),
     ({"VLLM_BI_NONFINITE_GUARD": "maybe"}, "VLLM_BI_NONFINITE_GUARD='maybe' is not a setting; use 1 .on. or 0"),
 ])

@@ -54,6 +54,9 @@ class _Spec:
 DEFAULT_PRESET = "auto"
 # What VLLM_BI_ROWWISE=auto runs on CUDA. A change here changes CUDA's bits, as DEFAULT_PRESET does.
 ROWWISE_AUTO_CUDA = "triton"
+# What VLLM_BI_GDN_MODE=auto (the default) runs in a process that has a CUDA device; elsewhere auto is the recurrent
+# mode (CPU's exact reference). A change here changes CUDA's bits, as DEFAULT_PRESET does.
+GDN_MODE_AUTO_CUDA = "recurrent"
 # How VLLM_BI_CHUNK_DECODE=auto plans the chunk mode's decode steps on CUDA. Both plans give the same bits; a change
 # here changes which kernels CUDA runs, so it lands with a GPU gate run as DEFAULT_PRESET does.
 CHUNK_DECODE_AUTO_CUDA = "host"
@@ -61,9 +64,10 @@ CHUNK_DECODE_AUTO_CUDA = "host"
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
           "a named set of the settings below (explicit variables win); auto: fast on CUDA at TP 1, portable elsewhere"),
-    _Spec("gdn_mode", "recurrent", ("recurrent", "chunk", "hybrid"),
+    _Spec("gdn_mode", "auto", ("auto", "recurrent", "chunk", "hybrid"),
           "GDN arithmetic: the recurrence, 64-row blocks (chunk), or a prompt's whole blocks in chunks (hybrid; refused on "
-          "CUDA); docs/gdn-modes.md"),
+          f"CUDA); auto: {GDN_MODE_AUTO_CUDA} where the process has a CUDA device, recurrent elsewhere; "
+          "docs/gdn-modes.md"),
     _Spec("cuda_ops", "vllm_bi", ("vllm_bi", "vllm"),
           "CUDA kernels: the trainer's op library, or vLLM's own batch-invariant ones (serving only, no parity)"),
     _Spec("gemm", "auto", ("auto", "fp64", "triton"),
@@ -128,7 +132,7 @@ class Settings:
     """One process's vllm_bi settings (validated; see the module doc)."""
 
     preset: str = DEFAULT_PRESET
-    gdn_mode: str = "recurrent"
+    gdn_mode: str = "auto"  # resolved at construction: the value is always recurrent, chunk or hybrid
     cuda_ops: str = "vllm_bi"
     gemm: str = "auto"
     gemm_configs: str = "auto"
@@ -142,6 +146,10 @@ class Settings:
     allow_unverified_device: bool = False
     allow_unverified_tp: bool = False
     origin: tuple = ()  # (name, "env" | "config" | "preset") of every value that is not the default
+
+    def __post_init__(self):
+        if self.gdn_mode == "auto":
+            object.__setattr__(self, "gdn_mode", _auto_gdn_mode())
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
@@ -281,6 +289,21 @@ class Settings:
             why.append(f"(VLLM_BI_CUDA_GRAPHS=decode came from VLLM_BI_PRESET={self.preset}; set "
                        "VLLM_BI_CUDA_GRAPHS=off to keep the preset's other settings)")
         return why
+
+
+def _auto_gdn_mode() -> str:
+    """``VLLM_BI_GDN_MODE=auto``: :data:`GDN_MODE_AUTO_CUDA` in a process with a CUDA device (the server's engine and
+    workers, a trainer on a GPU), recurrent elsewhere. One answer per process, so the engine's state shapes, its
+    workers and a trainer on the same kind of machine agree; a trainer on another kind of machine than its server
+    is refused by the settings comparison (:func:`diff`)."""
+    if GDN_MODE_AUTO_CUDA == "recurrent":
+        return "recurrent"
+    try:
+        import torch
+
+        return GDN_MODE_AUTO_CUDA if torch.cuda.is_available() else "recurrent"
+    except ImportError:
+        return "recurrent"
 
 
 BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")
