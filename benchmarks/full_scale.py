@@ -182,7 +182,7 @@ def serve_side(side: str, model: str, server_args: str, window: float, vocab: in
             r["startup_s"] = time.time() - t0
             print(f"[full-scale] {side}: up in {r['startup_s']:.0f} s", flush=True)
             srv.complete_many([dict(prompt_ids=p, max_tokens=4) for p in _prompts(128, 1024, vocab,
-                                                                                  random.Random(1))], workers=128)
+                                                                                  random.Random(1))])
             rl_wave(srv, 8, 8, 512, 8, vocab, seed=2)  # warm-up: every phase's shapes, unmeasured
             r["prefill"] = closed_loop(srv, 64, window, 1024, 1, vocab, seed=10)
             print(f"[full-scale] {side}: prefill {r['prefill']['tok_s']:.0f} tok/s", flush=True)
@@ -304,7 +304,7 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
         rng = random.Random(40)
         for mt in (1, 65):  # warm-up: the same shapes, unprofiled
             srv.complete_many([dict(prompt_ids=p, max_tokens=mt, ignore_eos=True) for p in _prompts(64, 1024, vocab, rng)],
-                              workers=64)
+                              )
         for label, mt in (("prefill", 1), ("prefill+decode", 65)):
             reqs = [dict(prompt_ids=p, max_tokens=mt, ignore_eos=True) for p in _prompts(64, 1024, vocab, rng)]
             since = time.time()
