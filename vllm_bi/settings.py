@@ -16,6 +16,10 @@ Presets:
 - ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
   decode CUDA graphs); CUDA only.
 
+``VLLM_BI_GEMM_CONFIGS=tune`` names no file: a CUDA server tunes (or loads from ``VLLM_BI_CACHE_DIR``) a table for
+its device and model when it loads the model and takes it with :func:`use_tuned_table`; a trainer takes a copy of
+its server's the same way. Until then the table's digest is :data:`TUNE_PENDING`.
+
 Two processes reproduce each other's bits when their :meth:`Settings.arithmetic` dicts agree (:func:`diff`): the
 resolved values that decide bits on a device (the auto choices made for that device, the GEMM tile table's digest),
 not the names a user typed. The server reports that dict (``vllm_bi_info``), and ``vllm-bi info``, ``vllm-bi
