@@ -177,8 +177,8 @@ def adopt_server_tiles(info: dict, folder: str) -> str | None:
 
 def check_server_settings(client, log) -> dict | None:
     """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's and
-    return them (under ``VLLM_BI_GEMM_CONFIGS=tune`` after taking the server's table: :func:`adopt_server_tiles`). A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note
-    (and None)."""
+    return them (under ``VLLM_BI_GEMM_CONFIGS=tune`` after taking the server's table: :func:`adopt_server_tiles`).
+    A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note (and None)."""
     try:
         info = client.server_info()
     except RuntimeError as e:

@@ -23,8 +23,8 @@ table (:attr:`TuneResult.failed`), so vLLM's lookup and ``consistent_tiles`` giv
 ``K`` or vLLM's default tile, both one tile for every ``M``.
 
 A table (:func:`table_doc`) is the format-1 file :func:`vllm_bi.ops.gemm_configs.load_table` reads: every
-``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` and warp count is a power of two, stages are 3 or 4, bucket bounds increase and every
-shape with one ``K`` shares its ``BLOCK_K``.
+``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K`` and warp count is a power of two, stages are 3 or 4, bucket bounds increase
+and every shape with one ``K`` shares its ``BLOCK_K``.
 
 The cache (:func:`cached_or_tuned`): one file per key under ``<cache dir>/gemm_tiles/``, the key naming the device
 (name, compute capability), the versions of torch, Triton, vLLM and vllm_bi, the tuning plan (buckets, ``BLOCK_K``
