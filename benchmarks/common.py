@@ -6,18 +6,11 @@ import torch
 
 
 def timed(fn, reps: int = 10, warmup: int = 3) -> float:
-    """Median milliseconds of ``reps`` calls of ``fn`` (CUDA events) after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median milliseconds of ``reps`` calls of ``fn`` (CUDA events) after ``warmup`` calls
+    (:func:`vllm_bi.ops.gemm_tune.cuda_ms`)."""
+    from vllm_bi.ops.gemm_tune import cuda_ms
+
+    return cuda_ms(fn, reps, warmup)
 
 
 def gpu_ms(fn, reps: int = 3) -> float:

@@ -154,16 +154,40 @@ def settings_mismatch(info: dict) -> str | None:
     return describe_diff(info, current().arithmetic(info.get("device", "cpu")))
 
 
+def adopt_server_tiles(info: dict, folder: str) -> str | None:
+    """Under ``VLLM_BI_GEMM_CONFIGS=tune`` with the Triton GEMM, make the server's tuned tile table (the text
+    ``vllm_bi_info`` carries) this process's, from a copy written to ``folder`` (a trainer never tunes). Returns the
+    copy's path, or None when there is nothing to take (another setting, the float64 GEMM, no table sent). A copy
+    that is not a table or whose digest is not the one the server names raises :class:`SettingsMismatch`."""
+    from vllm_bi.ops.gemm_tune import adopt_table
+    from vllm_bi.settings import current
+
+    text = info.get("gemm_table")
+    if not isinstance(text, str) or not current().tunes_gemm(info.get("device", "cpu")):
+        return None
+    try:
+        path, digest = adopt_table(text, folder)
+    except ValueError as e:
+        raise SettingsMismatch(f"the server's tuned GEMM tile table is unusable here ({e})") from None
+    if digest != info.get("gemm_configs"):
+        raise SettingsMismatch(f"the server's tuned GEMM tile table arrived with digest {digest}, the server names "
+                               f"{info.get('gemm_configs')!r}; restart the server and retry")
+    return path
+
+
 def check_server_settings(client, log) -> dict | None:
     """Compare the server's vllm_bi settings (``vllm_bi_info`` over ``/collective_rpc``) with this process's and
-    return them. A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note
-    (and None)."""
+    return them (under ``VLLM_BI_GEMM_CONFIGS=tune`` after taking the server's table: :func:`adopt_server_tiles`).
+    A mismatch raises :class:`SettingsMismatch`; a server without the admin routes only gets a note (and None)."""
     try:
         info = client.server_info()
     except RuntimeError as e:
         log(f"note: could not read the server's vllm_bi settings ({str(e).splitlines()[0][:160]}); start it with "
             "VLLM_SERVER_DEV_MODE=1 to let this command check them")
         return None
+    from vllm_bi.settings import current
+
+    adopt_server_tiles(info, os.path.join(current().cache_root(), "gemm_tiles", "from-server"))
     why = settings_mismatch(info)
     if why:
         raise SettingsMismatch(f"the server and this trainer cannot agree bit for bit: {why}")

@@ -16,6 +16,10 @@ Presets:
 - ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
   decode CUDA graphs); CUDA only.
 
+``VLLM_BI_GEMM_CONFIGS=tune`` names no file: a CUDA server tunes (or loads from ``VLLM_BI_CACHE_DIR``) a table for
+its device and model when it loads the model and takes it with :func:`use_tuned_table`; a trainer takes a copy of
+its server's the same way. Until then the table's digest is :data:`TUNE_PENDING`.
+
 Two processes reproduce each other's bits when their :meth:`Settings.arithmetic` dicts agree (:func:`diff`): the
 resolved values that decide bits on a device (the auto choices made for that device, the GEMM tile table's digest),
 not the names a user typed. The server reports that dict (``vllm_bi_info``), and ``vllm-bi info``, ``vllm-bi
@@ -31,7 +35,7 @@ import os
 from vllm_bi.errors import UsageError
 
 __all__ = ["Settings", "SETTINGS", "launcher_pid", "PARENT_PID_ENV", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
-           "settings_table"]
+           "settings_table", "TUNE", "TUNE_PENDING", "use_tuned_table", "tuned_table"]
 
 PREFIX = "VLLM_BI_"
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
@@ -74,7 +78,9 @@ SETTINGS = (
           "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA); "
           "auto: triton on CUDA, fp64 on CPU"),
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
-          "(h200-qwen3.5-9b) or vllm (vLLM's own tiles); auto: the shipped table"),
+          "(h200-qwen3.5-9b), vllm (vLLM's own tiles) or tune (tuned for this device and the served model's shapes "
+          "on a server's first start, cached under VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
+          "ignored on CPU); auto: the shipped table"),
     _Spec("attention", "auto", ("auto", "torch", "triton"), "attention op: auto is Triton on CUDA, torch on CPU"),
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
           "row-local ops (RMSNorms, the GDN gated norm, SiLU-and-mul): one Triton kernel each, or torch's eager "
@@ -91,6 +97,8 @@ SETTINGS = (
           "every GDN layer checks its values and logs the first non-finite one (host reads: debugging only)"),
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
+    _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
+          "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
@@ -118,7 +126,7 @@ def _parse(spec: _Spec, raw: str, origin: str):
             return False
         raise UsageError(f"{origin}={raw!r} is not a setting; use 1 (on) or 0 (off)")
     if spec.choices is None:
-        return value
+        return TUNE if spec.name == "gemm_configs" and value.lower() == TUNE else value
     value = value.lower()
     value = _ALIASES.get(spec.name, {}).get(value, value)
     if value not in spec.choices:
@@ -145,6 +153,7 @@ class Settings:
     debug_nonfinite: bool = False
     allow_unverified_device: bool = False
     allow_unverified_tp: bool = False
+    cache_dir: str = ""
     origin: tuple = ()  # (name, "env" | "config" | "preset") of every value that is not the default
 
     def __post_init__(self):
@@ -232,6 +241,8 @@ class Settings:
         value = self.gemm_configs
         if value in ("", "vllm"):
             return None
+        if value == TUNE:
+            return _TUNED[0] if _TUNED else None
         if value == "auto":
             value = DEFAULT_GEMM_TABLE
         if os.sep in value or value.endswith(".json") or os.path.exists(value):
@@ -242,7 +253,10 @@ class Settings:
                          f"with vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
     def gemm_tiles(self) -> str:
-        """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix."""
+        """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix; under ``tune``
+        the digest of the table this process took (:func:`use_tuned_table`), :data:`TUNE_PENDING` before."""
+        if self.gemm_configs == TUNE:
+            return _TUNED[1] if _TUNED else TUNE_PENDING
         path = self.gemm_table_path()
         if path is None:
             return "none"
@@ -251,6 +265,20 @@ class Settings:
                 return hashlib.sha256(f.read()).hexdigest()[:16]
         except OSError as e:
             raise UsageError(f"VLLM_BI_GEMM_CONFIGS={path}: cannot read it ({e}); fix the path or unset it") from None
+
+    def cache_root(self, environ=None) -> str:
+        """The folder of vllm_bi's per-machine cache: ``VLLM_BI_CACHE_DIR``, else ``$XDG_CACHE_HOME/vllm_bi``, else
+        ``~/.cache/vllm_bi``."""
+        if self.cache_dir:
+            return os.path.abspath(os.path.expanduser(self.cache_dir))
+        env = os.environ if environ is None else environ
+        base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(os.path.abspath(base), "vllm_bi")
+
+    def tunes_gemm(self, device: str) -> bool:
+        """Whether a server on ``device`` tunes (or loads its cached) Triton GEMM tile table at start-up: under
+        ``VLLM_BI_GEMM_CONFIGS=tune`` with the Triton GEMM, which is CUDA's only."""
+        return self.gemm_configs == TUNE and self.gemm_on(device) == "triton"
 
     def arithmetic(self, device: str) -> dict:
         """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal
@@ -304,6 +332,29 @@ def _auto_gdn_mode() -> str:
         return GDN_MODE_AUTO_CUDA if torch.cuda.is_available() else "recurrent"
     except ImportError:
         return "recurrent"
+
+
+TUNE = "tune"  # VLLM_BI_GEMM_CONFIGS's value for a table tuned for this device and model
+TUNE_PENDING = "tune-pending"  # the digest under ``tune`` before this process took a table
+_TUNED: tuple[str, str] | None = None  # (path, digest) of the table this process took under ``tune``
+
+
+def use_tuned_table(path: str) -> str:
+    """Make ``path`` this process's table under ``VLLM_BI_GEMM_CONFIGS=tune`` (the server's tuned or cached one, a
+    trainer's copy of its server's): its digest is read once, here, and returned."""
+    global _TUNED
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError as e:
+        raise UsageError(f"VLLM_BI_GEMM_CONFIGS=tune: cannot read the tuned table {path} ({e})") from None
+    _TUNED = (os.path.abspath(path), digest)
+    return digest
+
+
+def tuned_table() -> tuple[str, str] | None:
+    """``(path, digest)`` of the table this process took under ``VLLM_BI_GEMM_CONFIGS=tune``, or None."""
+    return _TUNED
 
 
 BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")

@@ -68,6 +68,7 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
     info = server.collective_rpc("vllm_bi_info")[0]
     first = rows[0]["settings"]
     assert first == {k: info[k] for k in first} and "settings" not in rows[1]
+    assert "gemm_table" not in info  # a tuned table's text travels under VLLM_BI_GEMM_CONFIGS=tune on CUDA only
     assert json.load(open(tmp_path / "checkpoint" / "meta.json"))["settings"] == first
     r = subprocess.run([sys.executable, "-m", "vllm_bi.cli", "plot", str(tmp_path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

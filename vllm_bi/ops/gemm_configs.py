@@ -12,12 +12,14 @@ leaves most of a GPU idle at small ``M`` and is 1.4-4.6x cuBLAS at Qwen3.5-9B's 
     {"format": 1, "arch": "hopper", "device": "...", "command": "...",
      "shapes": {"12288x4096": {"block_k": 64, "m_buckets": [[1, 16, 128, 8, 3], [4, ...], ...]}}}
 
-or names a table shipped with vllm_bi (``vllm_bi/ops/gemm_tiles/<name>.json``): ``h200-qwen3.5-9b`` holds Qwen3.5-9B's
-six linear shapes tuned on an H200 (1.0-2.0x cuBLAS, rows equal in every batch size checked,
-``docs/results/2026-11-30-h200-gemm-tiles-and-fsdp2-9b.md``). In the file, ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps, stages]`` (the last
-bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward too: server and
-trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer refuses a
-server whose digest differs.
+or names a table shipped with vllm_bi (``vllm_bi/ops/gemm_tiles/<name>.json``): ``h200-qwen3.5-9b`` holds
+Qwen3.5-9B's six linear shapes tuned on an H200 (1.0-2.0x cuBLAS, rows equal in every batch size checked,
+``docs/results/2026-11-30-h200-gemm-tiles-and-fsdp2-9b.md``); or is ``tune``: a table tuned on a server's first
+start for its device and the served model's shapes (:mod:`.gemm_tune`, cached on disk; a trainer installs a copy of
+its server's). In the file, ``"NxK"`` is the weight's shape and each bucket is ``[max M, BLOCK_M, BLOCK_N, warps,
+stages]`` (the last bucket also serves larger ``M``). The tiles are part of the arithmetic of the trainer's forward
+too: server and trainer must load the same table. :func:`table_digest` names it in ``vllm_bi_info``, and the trainer
+refuses a server whose digest differs.
 
 One ``BLOCK_K`` per ``K``: vLLM fuses layers the trainer runs apart (``gate_up`` = ``gate`` and ``up``, ``qkv``, GDN's
 ``in_proj_qkvz``), so the server's ``(2 I, H)`` product must give, column for column, the trainer's two ``(I, H)``
@@ -32,7 +34,7 @@ from __future__ import annotations
 import json
 
 from vllm_bi.settings import BUILTIN_GEMM_TABLES as BUILTIN_DIR
-from vllm_bi.settings import builtin_tables, current
+from vllm_bi.settings import TUNE, builtin_tables, current
 
 __all__ = ["BUILTIN_DIR", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
 
@@ -107,6 +109,11 @@ def install_gemm_configs() -> str:
     Called before the Triton GEMM mode's first product, in the server and in the trainer alike."""
     path = table_path()
     if path is None:
+        if current().gemm_configs == TUNE:
+            raise RuntimeError("VLLM_BI_GEMM_CONFIGS=tune: this process has no tuned table yet: a server tunes (or "
+                               "loads its cached table) when it loads the model, a trainer takes its server's "
+                               "(vllm_bi_info) when it connects; connect to the server first or set "
+                               "VLLM_BI_GEMM_CONFIGS to a table file")
         return "none"
     if path in _installed:
         return _installed[path]

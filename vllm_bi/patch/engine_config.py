@@ -24,6 +24,7 @@ import os
 
 from vllm_bi.settings import current as current_settings
 from vllm_bi.settings import reload as reload_settings
+from vllm_bi.settings import TUNE
 
 __all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config"]
 
@@ -102,6 +103,9 @@ def wrap_create_engine_config(orig):
             logger.info("vllm_bi: decode steps captured in CUDA graphs, prefills eager")
         elif current_platform.is_cpu() and settings.cuda_graphs == "decode":
             logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS applies to CUDA only; ignored on CPU (eager)")
+        if settings.gemm_configs == TUNE and not settings.tunes_gemm("cuda" if current_platform.is_cuda() else "cpu"):
+            logger.warning("vllm_bi: VLLM_BI_GEMM_CONFIGS=tune tunes CUDA's Triton GEMM only; ignored here (the "
+                           "GEMM is float64)")
         elif current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CUDA: eager steps")

@@ -30,6 +30,7 @@ VLLM_OPS = "vLLM's BI kernels"  # CUDA with VLLM_BI_CUDA_OPS=vllm
 BLOCK_MODES = "chunk or hybrid GDN mode"
 HYBRID = "hybrid GDN mode"
 GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
+TUNE = "Triton GEMM, tuned tiles"  # VLLM_BI_GEMM_CONFIGS=tune with the Triton GEMM (CUDA)
 API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
 _API_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -220,6 +221,11 @@ LEDGER: tuple[Patch, ...] = (
         remove_when="vLLM's Qwen3.5 model imports without torchvision", kind="model")
       for arch, cls in (("Qwen3_5ForCausalLM", "Qwen3_5TextForCausalLM"),
                         ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextForCausalLM"))),
+    P("vllm.v1.worker.gpu_worker:Worker.load_model", CUDA,
+      "VLLM_BI_GEMM_CONFIGS=tune: the Triton GEMM's tiles must be chosen for this device and the loaded model's "
+      "shapes before the first product", "after loading: the cached table, or tune and cache one (ops.gemm_tune)",
+      "vllm_bi.patch.gemm_tuning:wrap_load_model", wraps=True, when=TUNE,
+      remove_when="never: vllm_bi's own tuning"),
     P("vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model", CPU,
       "a layer vllm_bi has not made batch-invariant would run silently", "audit after loading; refuse it",
       "vllm_bi.patch.audit:wrap_load_model", wraps=True, remove_when="never: vllm_bi's own safety net"),
@@ -288,7 +294,7 @@ def active_rows(device: str, settings=None) -> list[Patch]:
         settings = current()
     cond = {"": True, OWN_OPS: settings.ops(device) == "vllm_bi", VLLM_OPS: settings.ops(device) == "vllm",
             BLOCK_MODES: settings.gdn_mode in ("chunk", "hybrid"), HYBRID: settings.gdn_mode == "hybrid",
-            GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules}
+            GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device)}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_bi.settings import current as current_settings
+from vllm_bi.settings import tuned_table
 
 __all__ = ["vllm_bi_weight_digest", "vllm_bi_info", "vllm_bi_model_layout"]
 
@@ -14,7 +15,8 @@ def vllm_bi_weight_digest(self) -> dict[str, str]:
 
 
 def vllm_bi_info(self) -> dict:
-    """What a trainer must agree with to reproduce this server's bits (``/collective_rpc vllm_bi_info``)."""
+    """What a trainer must agree with to reproduce this server's bits (``/collective_rpc vllm_bi_info``); under
+    ``VLLM_BI_GEMM_CONFIGS=tune`` also the tuned table's text (``gemm_table``), whose digest ``gemm_configs`` is."""
     from vllm_bi import __version__
     from vllm_bi.gdn import CHUNK
 
@@ -25,8 +27,14 @@ def vllm_bi_info(self) -> dict:
     if device == "cuda":
         graphs = getattr(getattr(getattr(self, "vllm_config", None), "compilation_config", None), "cudagraph_mode", None)
     # the settings' arithmetic dict (vllm_bi.settings), and what else a trainer checks
-    return {"vllm_bi": __version__, **current_settings().arithmetic(device), "chunk": CHUNK, "device": device,
+    settings = current_settings()
+    info = {"vllm_bi": __version__, **settings.arithmetic(device), "chunk": CHUNK, "device": device,
             "cuda_graphs": str(getattr(graphs, "name", graphs))}
+    tuned = tuned_table()
+    if settings.tunes_gemm(device) and tuned is not None:  # the tuned table itself: a trainer installs a copy
+        with open(tuned[0], newline="") as f:
+            info["gemm_table"] = f.read()
+    return info
 
 
 def vllm_bi_model_layout(self) -> dict:

@@ -22,7 +22,8 @@ from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
 from vllm_bi.trainer.policy import Policy
 
-__all__ = ["checkpoint_due", "save_checkpoint", "load_checkpoint", "read_checkpoint", "CHECKPOINT_FORMAT"]
+__all__ = ["checkpoint_due", "save_checkpoint", "load_checkpoint", "read_checkpoint", "check_resumed_settings",
+           "CHECKPOINT_FORMAT"]
 
 logger = logging.getLogger("vllm_bi.trainer")
 
@@ -41,12 +42,26 @@ def run_settings(device) -> dict:
 
 def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
     """Refuse to resume a run under arithmetic settings other than its checkpoint's (its logprobs would change bits
-    mid-run). A checkpoint without settings (an older vllm_bi) is not checked."""
-    from vllm_bi.settings import ARITHMETIC_ENV, diff
+    mid-run). A checkpoint without settings (an older vllm_bi) is not checked. Under ``VLLM_BI_GEMM_CONFIGS=tune``
+    the tile table is compared once the server's is taken (:func:`check_resumed_settings`), not before."""
+    from vllm_bi.settings import ARITHMETIC_ENV, TUNE_PENDING, diff
 
+    if now.get("gemm_configs") == TUNE_PENDING:
+        now = {k: v for k, v in now.items() if k != "gemm_configs"}
     rows = diff(saved or {}, now)
     if rows:
         key, a, b = rows[0]
+        if key == "gemm_configs":
+            from vllm_bi.settings import TUNE, current
+
+            own = os.path.join(run_dir, "gemm_tiles", f"{a}.json")  # the run's copy of its server's tuned table
+            fix = (f"set VLLM_BI_GEMM_CONFIGS={own} (the run's table) for the run and its server"
+                   if os.path.exists(own) else "set VLLM_BI_GEMM_CONFIGS as the run had it")
+            why = (" (its server's tuned table: one is tuned anew for another device or another torch, Triton, vLLM "
+                   "or vllm_bi version)" if current().gemm_configs == TUNE else "")
+            raise TrainerError(f"{run_dir} holds a checkpoint made with the Triton GEMM tile table {a}, this process "
+                               f"runs {b}{why}: {fix}, or use --resume false (or another --run-dir) to start over",
+                               exit_code=MISMATCH)
         if key == "gemm" and a == "fp64":  # a run from before the fast arithmetic became CUDA's default
             raise TrainerError(f"{run_dir} holds a checkpoint made with the float64 GEMM, this process runs the "
                                f"{b!r} one (the CUDA default since the fast arithmetic became it): set "
@@ -55,6 +70,14 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
         raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={a!r}, this process runs {b!r}: set "
                            f"{ARITHMETIC_ENV[key]} as the run had it, or use --resume false (or another --run-dir) to "
                            "start over", exit_code=MISMATCH)
+
+
+def check_resumed_settings(run_dir: str, device) -> None:
+    """:func:`check_resume_settings` of ``run_dir``'s checkpoint against this process's settings now (after the
+    server's tuned tile table was taken); nothing without a checkpoint."""
+    meta = _read_meta(run_dir)
+    if meta is not None:
+        check_resume_settings(run_dir, meta.get("settings"), run_settings(device))
 
 
 def checkpoint_due(save_every: int, done: int, steps: int) -> bool:

@@ -24,7 +24,8 @@ import torch
 from vllm_bi.client import ServerAuthError, ServerUnreachable
 from vllm_bi.errors import DIFFER, ENVIRONMENT, USAGE, UsageError
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
-from vllm_bi.trainer.checkpoint import checkpoint_due, load_checkpoint, run_settings, save_checkpoint
+from vllm_bi.trainer.checkpoint import (check_resumed_settings, checkpoint_due, load_checkpoint, run_settings,
+                                        save_checkpoint)
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.data import make_source
 from vllm_bi.trainer.distributed import Dist
@@ -33,7 +34,7 @@ from vllm_bi.trainer.metrics import MetricsWriter
 from vllm_bi.trainer.policy import Policy, logprob_diff_at_version, train_on_batch
 from vllm_bi.trainer.rewards import get_reward
 from vllm_bi.trainer.rollout import RolloutBatch, RolloutThread, VersionChanged, generate_batch
-from vllm_bi.trainer.server import connect
+from vllm_bi.trainer.server import connect, share_server_tiles
 from vllm_bi.trainer.sync import ModelMismatch, PushFailed, WeightMismatch, WeightSync
 
 __all__ = ["train"]
@@ -130,6 +131,9 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             server, client = connect(cfg, model_dir)
 
         _on_main(dist, join, share=False)
+        share_server_tiles(dist, cfg.run_dir)  # VLLM_BI_GEMM_CONFIGS=tune: every rank installs the server's table
+        if resumed:  # the tile table, known now, must be the run's
+            check_resumed_settings(cfg.run_dir, dist.device)
         sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
         state = model.hf_state_dict()
         _on_main(dist, lambda: sync.push(model, start, state), share=False)

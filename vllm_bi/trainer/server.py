@@ -19,13 +19,13 @@ import time
 
 from vllm_bi.client import ServerAuthError, VllmClient
 from vllm_bi.errors import MISMATCH, USAGE
-from vllm_bi.parity import settings_mismatch
+from vllm_bi.parity import SettingsMismatch, adopt_server_tiles, settings_mismatch
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.errors import TrainerError
 
 PAUSED_WAIT_S = 600.0  # how long a rollout request waits out a paused server before the run fails
 
-__all__ = ["connect", "start_server", "check_server"]
+__all__ = ["connect", "start_server", "check_server", "tiles_dir", "share_server_tiles"]
 
 logger = logging.getLogger("vllm_bi.trainer")
 
@@ -41,7 +41,7 @@ def connect(cfg: TrainerConfig, model_dir: str):
     client = server or VllmClient(cfg.server_url, model_dir, api_key=cfg.api_key or None)
     client.paused_wait = PAUSED_WAIT_S
     try:
-        check_server(client, cfg.verify_weights)
+        check_server(client, cfg.verify_weights, tiles_dir(cfg.run_dir))
     except BaseException:
         if server is not None:
             server.stop()
@@ -88,7 +88,27 @@ def start_server(cfg: TrainerConfig, model_dir: str):
     return srv
 
 
-def check_server(client: VllmClient, verify_weights: bool = True) -> None:
+def tiles_dir(run_dir: str) -> str:
+    """Where a run keeps its copies of its server's tuned GEMM tile tables (``<digest>.json``)."""
+    return os.path.join(run_dir, "gemm_tiles")
+
+
+def share_server_tiles(dist, run_dir: str) -> None:
+    """Every trainer rank takes the tuned tile table the first rank took from the server (``check_server``), if
+    any: the same text, written to the run's folder and installed (``VLLM_BI_GEMM_CONFIGS=tune``)."""
+    from vllm_bi.ops.gemm_tune import adopt_table
+    from vllm_bi.settings import tuned_table
+
+    text = None
+    if dist.main and tuned_table() is not None:
+        with open(tuned_table()[0], newline="") as f:
+            text = f.read()
+    text = dist.broadcast(text)
+    if text is not None and not dist.main:
+        adopt_table(text, tiles_dir(run_dir))
+
+
+def check_server(client: VllmClient, verify_weights: bool = True, tiles: str | None = None) -> None:
     try:
         client.weight_version()
     except ServerAuthError as e:
@@ -101,6 +121,11 @@ def check_server(client: VllmClient, verify_weights: bool = True) -> None:
     if workers == 0 or not isinstance(infos[0], dict):
         raise TrainerError(f"the server at {client.url} does not answer vllm_bi's RPCs; start it with "
                            "VLLM_BATCH_INVARIANT=1 and vllm_bi installed (`vllm-bi info`).")
+    if tiles is not None:
+        try:
+            adopt_server_tiles(infos[0], tiles)  # VLLM_BI_GEMM_CONFIGS=tune: the server's table, not one of ours
+        except SettingsMismatch as e:
+            raise TrainerError(str(e), exit_code=MISMATCH) from None
     why = settings_mismatch(infos[0])
     if why:
         raise TrainerError(f"{why}: their logprobs cannot match.", exit_code=MISMATCH)
