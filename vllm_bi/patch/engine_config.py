@@ -103,12 +103,12 @@ def wrap_create_engine_config(orig):
             logger.info("vllm_bi: decode steps captured in CUDA graphs, prefills eager")
         elif current_platform.is_cpu() and settings.cuda_graphs == "decode":
             logger.warning("vllm_bi: VLLM_BI_CUDA_GRAPHS applies to CUDA only; ignored on CPU (eager)")
-        if settings.gemm_configs == TUNE and not settings.tunes_gemm("cuda" if current_platform.is_cuda() else "cpu"):
-            logger.warning("vllm_bi: VLLM_BI_GEMM_CONFIGS=tune tunes CUDA's Triton GEMM only; ignored here (the "
-                           "GEMM is float64)")
         elif current_platform.is_cuda() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CUDA: eager steps")
+        if settings.gemm_configs == TUNE and not settings.tunes_gemm("cuda" if current_platform.is_cuda() else "cpu"):
+            logger.warning("vllm_bi: VLLM_BI_GEMM_CONFIGS=tune tunes CUDA's Triton GEMM only; ignored here (the "
+                           "GEMM is float64)")
         config = orig(self, *args, **kwargs)
         _check_parallelism(config, current_platform)
         _check_op_settings(current_platform)
