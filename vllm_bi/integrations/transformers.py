@@ -154,8 +154,7 @@ def _architecture(model) -> str:
     for cls in type(model).__mro__:  # FSDP2 and others subclass the model's class
         if cls.__name__ in ARCHITECTURES:
             return cls.__name__
-    names = [cls.__name__ for cls in type(model).__mro__]
-    if any(n.startswith("Peft") for n in names):
+    if any(cls.__module__.split(".")[0] == "peft" for cls in type(model).__mro__):
         raise UsageError(f"{_WHERE}: the model is a peft wrapper ({type(model).__name__}) with unmerged adapters; "
                          "call model.merge_and_unload() and adapt the merged model (the server serves merged weights)")
     hint = ""
