@@ -134,6 +134,44 @@ def test_hooks_fire_on_every_module_the_forward_uses(tiny_model_path):
     assert {"", "model", "model.embed_tokens", "model.norm", "lm_head"} | layer0 <= entered
 
 
+def test_fsdp2_units_unshard_for_the_adapted_forwards(tiny_model_path, tmp_path):
+    """FSDP2 (one gloo process): per-layer units and the root unshard their DTensor parameters in the pre-forward
+    hooks the adapted forwards go through; logits and gradients keep the unsharded model's bits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    path = tiny_model_path("qwen3.5-moe")
+    kw, _ = _forms(_sequences())["right"]
+    plain = apply(_hf(path))
+    want = plain(**kw).logits
+    want.float().square().mean().backward()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = apply(_hf(path))
+        for unit in [*model.model.layers, model]:
+            fully_shard(unit)
+        assert type(model.lm_head.weight).__name__ == "DTensor"
+        got = model(**kw).logits
+        assert torch.equal(got, want)
+        got.float().square().mean().backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        assert all(torch.equal(grads[n], p.grad) for n, p in plain.named_parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_labels_and_logits_to_keep(tiny_model_path):
+    model = apply(_hf(tiny_model_path("qwen3.5")))
+    kw, _ = _forms(_sequences())["right"]
+    with torch.no_grad():
+        full = model(**kw).logits
+        assert torch.equal(model(**kw, logits_to_keep=5).logits, full[:, -5:])
+        labels = kw["input_ids"].masked_fill(kw["attention_mask"] == 0, -100)
+        loss = model(**kw, labels=labels).loss
+    want = torch.nn.functional.cross_entropy(full[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten())
+    assert torch.allclose(loss, want)  # transformers' own loss function over the adapted logits
+
+
 def _adapted_loss_and_grads(path, seqs):
     """Mean NLL of every next token of ``seqs`` (a left-padded batch) through the adapted model; its gradients."""
     kw, at = _forms(seqs)["left"]

@@ -64,8 +64,9 @@ class Unpadded:
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Packed rows ``[T, ...]`` -> ``[B, L, ...]``, zero at padding (differentiable)."""
         B, L = self.shape
-        out = x.new_zeros((B * L, *x.shape[1:])).index_copy(0, self.index, x)
-        return out.view(B, L, *x.shape[1:])
+        out = x.new_zeros((B, L, *x.shape[1:]))  # written through a view: the result is no view (FSDP2 hooks it)
+        out.view(B * L, *x.shape[1:]).index_copy_(0, self.index, x)
+        return out
 
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -341,7 +342,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     if temperature is not None:  # token_logprobs: every row through the head, the server's logprob op
         lp = next_token_logprobs(self.lm_head(h_T), batch.input_ids, batch.cu_seqlens, temperature)
         lp = torch.where(torch.isnan(lp), torch.zeros_like(lp), lp)
-        return batch.pad(lp)[:, :-1]
+        return batch.pad(lp)[:, :-1].contiguous()
     cols = _kept_columns(logits_to_keep, L, hidden.device)
     K = cols.numel()
     slot = torch.full((L,), -1, dtype=torch.long, device=hidden.device)
@@ -350,7 +351,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     keep = (row_slot >= 0).nonzero().squeeze(1)
     logits_T = self.lm_head(h_T[keep])
     out_index = (batch.index[keep] // L) * K + row_slot[keep]
-    logits = logits_T.new_zeros((B * K, logits_T.shape[-1])).index_copy(0, out_index, logits_T).view(B, K, -1)
+    logits = logits_T.new_zeros((B, K, logits_T.shape[-1]))
+    logits.view(B * K, -1).index_copy_(0, out_index, logits_T)
     loss = None
     if labels is not None:
         loss_kwargs = {k: kwargs[k] for k in ("num_items_in_batch", "ignore_index", "shift_labels") if k in kwargs}
