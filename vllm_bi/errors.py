@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 
 __all__ = ["OK", "DIFFER", "USAGE", "ENVIRONMENT", "MISMATCH", "INTERRUPTED", "exit_status_help", "UserError",
-           "UsageError", "EnvironmentProblem", "OutputExists", "OneLineParser", "one_line", "run_command"]
+           "UsageError", "EnvironmentProblem", "SettingsMismatch", "OutputExists", "OneLineParser", "one_line", "run_command"]
 
 OK = 0  # the check passed (every token / module bitwise equal), or the command did its work
 DIFFER = 1  # the check ran and found a difference (the trainer: a check of the run's own numbers failed)
@@ -60,6 +60,13 @@ class EnvironmentProblem(UserError, RuntimeError):
     """The server or this machine (status 3): a server that does not answer, a missing package or device."""
 
     exit_code = ENVIRONMENT
+
+
+class SettingsMismatch(UserError, RuntimeError):
+    """Two sides that must share the vllm_bi settings that decide the bits do not (a server and a trainer or a model
+    adapted to it; a difference between them would say nothing about the infra): status 4."""
+
+    exit_code = MISMATCH
 
 
 class OutputExists(FileExistsError):

@@ -20,7 +20,7 @@ import os
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
-from vllm_bi.errors import MISMATCH, EnvironmentProblem, UsageError, UserError
+from vllm_bi.errors import EnvironmentProblem, SettingsMismatch, UsageError
 
 __all__ = ["ParityReport", "run_parity", "check_inputs", "trainer_logprobs", "DEFAULT_PROMPTS", "load_prompts",
            "SettingsMismatch", "serving"]
@@ -137,13 +137,6 @@ def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str 
         n = len(c.prompt_ids)
         out.append([lp[n - 1 + k, t].item() for k, t in enumerate(c.token_ids)])
     return out
-
-
-class SettingsMismatch(UserError, RuntimeError):
-    """The server runs vllm_bi with settings the trainer does not (a FAIL would say nothing about the infra):
-    exit status 4."""
-
-    exit_code = MISMATCH
 
 
 def settings_mismatch(info: dict) -> str | None:

@@ -53,3 +53,9 @@ def test_p4_trainer_equals_server(runs):
     from parity_suite import check_p4
 
     assert check_p4(runs["model"], runs["family"], runs["bi_small"], runs["bi_large"]) >= 100
+
+
+def test_p4_transformers_adapter_equals_server(runs):
+    from parity_suite import check_p4_hf
+
+    assert check_p4_hf(runs["model"], runs["family"], runs["bi_small"]) >= 100

@@ -97,3 +97,9 @@ def test_p4_negative_control_stock_gemm_in_trainer_differs(runs, tiny_model_path
     comps = _unique_completions(runs["bi_small"])[:4]
     got = trainer_logprobs(model, comps)
     assert any(a != b for c, mine in zip(comps, got) for a, b in zip(mine, c.logprobs))
+
+
+def test_p4_transformers_adapter_equals_server(runs, tiny_model_path):
+    from parity_suite import check_p4_hf
+
+    assert check_p4_hf(tiny_model_path(FAMILY), FAMILY, runs["bi_small"]) >= 100

@@ -37,7 +37,8 @@ from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 from vllm_bi.ops.softmax import log_softmax
 
-__all__ = ["HybridConfig", "QwenGDNForCausalLM"]
+__all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "decoder_layer", "decoder_stack", "gdn_block",
+           "gemma_rms_norm", "mlp_block", "moe_block", "next_token_logprobs", "packed_positions"]
 
 _ARCHS = ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
 
@@ -90,20 +91,25 @@ class HybridConfig:
     @classmethod
     def from_pretrained(cls, path: str) -> "HybridConfig":
         with open(os.path.join(path, "config.json")) as f:
-            c = json.load(f)
+            return cls.from_dict(json.load(f), path)
+
+    @classmethod
+    def from_dict(cls, c: dict, where: str = "config") -> "HybridConfig":
+        """From a ``config.json``'s dict (a multimodal one's ``text_config`` is read); ``where`` names it in errors.
+        Raises ValueError for another architecture, NotImplementedError for what the trainer model does not build."""
         c = c.get("text_config", c) | {"architectures": c.get("architectures")}
         arch = (c.get("architectures") or [None])[0]
         if arch not in _ARCHS:
-            raise ValueError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(_ARCHS)}")
+            raise ValueError(f"{where}: architecture {arch!r} is not supported; supported: {', '.join(_ARCHS)}")
         rope = c.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or rope.get("mrope_section"):
-            raise NotImplementedError(f"{path}: rope {rope} is not supported by the trainer model yet")
+            raise NotImplementedError(f"{where}: rope {rope} is not supported by the trainer model yet")
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         factor = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
         n_exp = int(c.get("num_experts", 0) or 0)
         moe = arch != "Qwen3_5ForCausalLM" and n_exp > 0
         if arch == "Qwen3NextForCausalLM" and (c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1):
-            raise NotImplementedError("Qwen3-Next with dense layers (mlp_only_layers/decoder_sparse_step) not supported yet")
+            raise NotImplementedError(f"{where}: Qwen3-Next with dense layers (mlp_only_layers/decoder_sparse_step) not supported yet")
         return cls(
             arch=arch,
             interleaved_gdn=_ARCHS[arch][1],
@@ -155,13 +161,162 @@ def _p(*shape) -> nn.Parameter:
     return nn.Parameter(torch.zeros(*shape, dtype=torch.bfloat16))
 
 
+# The network as functions of its weights: one implementation of the arithmetic, composed by the trainer's modules
+# below and by the Hugging Face adapter (vllm_bi.integrations.transformers) over transformers' modules. Weights are
+# the raw tensors (GEMM weights [out, in] as nn.Linear keeps them); every function is differentiable in all of them.
+
+
+def gemma_rms_norm(x, residual, weight, eps: float):
+    """Qwen's RMSNorm with scale ``1 + weight`` (``weight`` zero-centred); with ``residual``, vLLM's fused
+    ``x + residual`` first, returning ``(normed, new residual)``."""
+    return rms_norm_maybe_residual(x, residual, weight.float() + 1.0, eps)
+
+
+def attention_block(c: HybridConfig, x_TD, positions_T, cu: list[int], q_proj, k_proj, v_proj, o_proj, q_norm,
+                    k_norm) -> torch.Tensor:
+    """Gated full attention of packed sequences: ``x [T, D]`` -> ``[T, D]``. ``q_norm``/``k_norm``: the per-head
+    norms' weights; the rotary table is :func:`rope_cos_sin_cache`'s."""
+    T, H, Hkv, Dh = x_TD.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    q = bi_linear(x_TD, q_proj)
+    gate = None
+    if c.attn_output_gate:  # per head: [q (Dh) | gate (Dh)]
+        q, gate = q.view(T, H, 2 * Dh).chunk(2, dim=-1)
+        gate = gate.reshape(T, H * Dh)
+    q = gemma_rms_norm(q.reshape(T, H, Dh), None, q_norm, c.rms_norm_eps).reshape(T, H * Dh)
+    k = gemma_rms_norm(bi_linear(x_TD, k_proj).view(T, Hkv, Dh), None, k_norm, c.rms_norm_eps).reshape(T, Hkv * Dh)
+    v = bi_linear(x_TD, v_proj)
+    cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta, positions_T.device)
+    q, k = apply_rotary(positions_T, q, k, cache, Dh, c.rotary_dim, True)
+    out = packed_causal_attention(q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh), cu, Dh**-0.5)
+    out = out.reshape(T, H * Dh)
+    if gate is not None:
+        out = out * pointwise.sigmoid(gate).to(out.dtype)
+    return bi_linear(out, o_proj)
+
+
+def gdn_project(c: HybridConfig, x_TD, projections: tuple):
+    """The GDN input projections: ``(in_proj_qkvz, in_proj_ba)`` (Qwen3-Next's per-key-head-group packing) or
+    ``(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)`` -> ``mixed [T, 2*Hk*K + Hv*V]``, ``z [T, Hv, V]``,
+    ``b [T, Hv]``, ``a [T, Hv]``."""
+    T = x_TD.shape[0]
+    Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    if c.interleaved_gdn:
+        in_proj_qkvz, in_proj_ba = projections
+        r = Hv // Hk
+        qkvz = bi_linear(x_TD, in_proj_qkvz).view(T, Hk, 2 * K + 2 * r * V)
+        q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=-1)
+        ba = bi_linear(x_TD, in_proj_ba).view(T, Hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return mixed, z.reshape(T, Hv, V), b.reshape(T, Hv), a.reshape(T, Hv)
+    in_proj_qkv, in_proj_z, in_proj_b, in_proj_a = projections
+    mixed = bi_linear(x_TD, in_proj_qkv)
+    z = bi_linear(x_TD, in_proj_z).view(T, Hv, V)
+    return mixed, z, bi_linear(x_TD, in_proj_b), bi_linear(x_TD, in_proj_a)
+
+
+def gdn_block(c: HybridConfig, x_TD, cu: list[int], projections: tuple, conv1d, A_log, dt_bias, norm, out_proj,
+              prompt_lens=None) -> torch.Tensor:
+    """A Gated DeltaNet layer over packed sequences, each from fp32 zero states: ``x [T, D]`` -> ``[T, D]``.
+    ``projections``: :func:`gdn_project`'s; ``conv1d [C, 1, W]``; ``A_log`` (any float dtype, used in fp32);
+    ``norm``: the gated norm's weight ``[V]``; ``prompt_lens``: the hybrid mode's switch per sequence."""
+    T = x_TD.shape[0]
+    Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    mixed, z, b, a = gdn_project(c, x_TD, projections)
+    w = conv1d.reshape(conv1d.shape[0], -1)
+    # The server's GDN core, every sequence from fp32 zero states (CPU: one recurrence per sequence;
+    # CUDA: one fla-core varlen launch).
+    n, dev = len(cu) - 1, x_TD.device
+    mode, chunk_rows = gdn_mode(), None
+    if mode == "hybrid":  # chunk arithmetic up to each prompt's last block boundary, then the recurrence
+        lens = [cu[i + 1] - cu[i] for i in range(n)]
+        chunk_rows = [hybrid_chunk_rows(lens[i] if prompt_lens is None else prompt_lens[i], 0, lens[i])
+                      for i in range(n)]
+    # packed: one output tensor. Per-sequence slices would each cost the backward a full-size zero
+    # tensor (SliceBackward), O(sequences x tokens): 2x the whole layer's training time at 64 x 1K.
+    o, _, _ = gdn_varlen(
+        mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
+        torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), A_log.float(), a, b,
+        dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
+        mode=mode, packed=True, chunk_rows=chunk_rows,
+    )
+    core = o.to(x_TD.dtype)
+    y = gated_rms_norm(core, z, norm, c.rms_norm_eps, True, "silu")
+    return bi_linear(y.reshape(T, Hv * V), out_proj)
+
+
+def mlp_block(x, gate_proj, up_proj, down_proj) -> torch.Tensor:
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+    gate_up = torch.cat([bi_linear(x, gate_proj), bi_linear(x, up_proj)], dim=-1)
+    return bi_linear(silu_mul(gate_up), down_proj)
+
+
+def moe_block(c: HybridConfig, x, gate, w13, w2, shared=None, shared_gate=None) -> torch.Tensor:
+    """Sparse MoE: router ``gate [E, D]``, experts ``w13 [E, 2I, D]`` (per expert ``[gate_proj; up_proj]``) and
+    ``w2 [E, D, I]``; ``shared``: the shared expert's ``(gate_proj, up_proj, down_proj)`` with its sigmoid gate
+    ``shared_gate [1, D]``, or None."""
+    weights, ids = softmax_topk(bi_linear(x, gate), c.num_experts_per_tok, c.norm_topk_prob)
+    routed = moe_experts(x, w13, w2, weights, ids)
+    if shared is None:
+        return routed
+    out = mlp_block(x, *shared)
+    out = pointwise.sigmoid(bi_linear(x, shared_gate)).to(out.dtype) * out
+    return out + routed
+
+
+def decoder_layer(h, residual, input_norm, mixer, post_norm, mlp):
+    """One pre-norm decoder layer in vLLM's residual form: ``input_norm``/``post_norm`` are ``(x, residual) ->
+    (normed, residual)``, ``mixer`` and ``mlp`` ``x -> y``. Returns ``(mlp output, residual)``; the first layer
+    takes ``residual=None``."""
+    if residual is None:
+        residual, h = h, input_norm(h, None)
+    else:
+        h, residual = input_norm(h, residual)
+    h, residual = post_norm(mixer(h), residual)
+    return mlp(h), residual
+
+
+def packed_positions(cu: list[int], device) -> torch.Tensor:
+    """``[T]`` positions of packed sequences, each from 0."""
+    return torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]).to(device)
+
+
+def decoder_stack(h, layers, final_norm, cu: list[int], prompt_lens=None) -> torch.Tensor:
+    """The decoder over packed embeddings ``h [T, D]``: every ``layer(h, residual, positions, cu, prompt_lens)``
+    in order, then ``final_norm(h, residual)``. Returns the final hidden states ``[T, D]``."""
+    positions = packed_positions(cu, h.device)
+    residual = None
+    for layer in layers:
+        h, residual = layer(h, residual, positions, cu, prompt_lens)
+    h, _ = final_norm(h, residual)
+    return h
+
+
+def next_token_logprobs(logits_TV, input_ids, cu: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per packed sequence (the last of each is NaN),
+    through :func:`log_softmax`, the server's logprob op. ``temperature != 1``: of the fp32 logits divided by it
+    first, as vLLM's sampler divides them (its ``processed_logprobs`` mode); below 1e-5 (greedy) it counts as 1, as
+    vLLM's does."""
+    if temperature < 1e-5 or temperature == 1.0:
+        lp = log_softmax(logits_TV, dim=-1, dtype=torch.float32)
+    else:  # a [T, 1] tensor on the logits' device, as vLLM's (a CPU scalar divisor takes CUDA's reciprocal path)
+        temp = torch.full((logits_TV.shape[0], 1), temperature, dtype=torch.float32, device=logits_TV.device)
+        lp = log_softmax(logits_TV.to(torch.float32).div(temp), dim=-1, dtype=torch.float32)
+    out = torch.full((input_ids.shape[0],), float("nan"), device=input_ids.device)
+    for i in range(len(cu) - 1):
+        s, e = cu[i], cu[i + 1]
+        if e - s > 1:
+            out[s : e - 1] = lp[s : e - 1].gather(1, input_ids[s + 1 : e].unsqueeze(1)).squeeze(1)
+    return out
+
+
 class GemmaNorm(nn.Module):
     def __init__(self, n: int, eps: float):
         super().__init__()
         self.weight, self.eps = _p(n), eps
 
     def forward(self, x, residual=None):
-        return rms_norm_maybe_residual(x, residual, self.weight.float() + 1.0, self.eps)
+        return gemma_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -175,23 +330,8 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = GemmaNorm(Dh, c.rms_norm_eps), GemmaNorm(Dh, c.rms_norm_eps)
 
     def forward(self, x_TD, positions_T, cu):
-        c = self.c
-        T, H, Hkv, Dh = x_TD.shape[0], c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        q = bi_linear(x_TD, self.q_proj)
-        gate = None
-        if c.attn_output_gate:  # per head: [q (Dh) | gate (Dh)]
-            q, gate = q.view(T, H, 2 * Dh).chunk(2, dim=-1)
-            gate = gate.reshape(T, H * Dh)
-        q = self.q_norm(q.reshape(T, H, Dh)).reshape(T, H * Dh)
-        k = self.k_norm(bi_linear(x_TD, self.k_proj).view(T, Hkv, Dh)).reshape(T, Hkv * Dh)
-        v = bi_linear(x_TD, self.v_proj)
-        cache = rope_cos_sin_cache(c.rotary_dim, c.max_position_embeddings, c.rope_theta, positions_T.device)
-        q, k = apply_rotary(positions_T, q, k, cache, Dh, c.rotary_dim, True)
-        out = packed_causal_attention(q.view(T, H, Dh), k.view(T, Hkv, Dh), v.view(T, Hkv, Dh), cu, Dh**-0.5)
-        out = out.reshape(T, H * Dh)
-        if gate is not None:
-            out = out * pointwise.sigmoid(gate).to(out.dtype)
-        return bi_linear(out, self.o_proj)
+        return attention_block(self.c, x_TD, positions_T, cu, self.q_proj, self.k_proj, self.v_proj, self.o_proj,
+                               self.q_norm.weight, self.k_norm.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -214,45 +354,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = _p(V)
         self.out_proj = _p(D, self.value_dim)
 
-    def _project(self, x):
-        c, T = self.c, x.shape[0]
-        Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        if c.interleaved_gdn:
-            r = Hv // Hk
-            qkvz = bi_linear(x, self.in_proj_qkvz).view(T, Hk, 2 * K + 2 * r * V)
-            q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=-1)
-            ba = bi_linear(x, self.in_proj_ba).view(T, Hk, 2 * r)
-            b, a = torch.split(ba, [r, r], dim=-1)
-            mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-            return mixed, z.reshape(T, Hv, V), b.reshape(T, Hv), a.reshape(T, Hv)
-        mixed = bi_linear(x, self.in_proj_qkv)
-        z = bi_linear(x, self.in_proj_z).view(T, Hv, V)
-        return mixed, z, bi_linear(x, self.in_proj_b), bi_linear(x, self.in_proj_a)
-
     def forward(self, x_TD, positions_T, cu, prompt_lens=None):
-        c, T = self.c, x_TD.shape[0]
-        Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        mixed, z, b, a = self._project(x_TD)
-        w = self.conv1d.reshape(self.conv1d.shape[0], -1)
-        # The server's GDN core, every sequence from fp32 zero states (CPU: one recurrence per sequence;
-        # CUDA: one fla-core varlen launch).
-        n, dev = len(cu) - 1, x_TD.device
-        mode, chunk_rows = gdn_mode(), None
-        if mode == "hybrid":  # chunk arithmetic up to each prompt's last block boundary, then the recurrence
-            lens = [cu[i + 1] - cu[i] for i in range(n)]
-            chunk_rows = [hybrid_chunk_rows(lens[i] if prompt_lens is None else prompt_lens[i], 0, lens[i])
-                          for i in range(n)]
-        # packed: one output tensor. Per-sequence slices would each cost the backward a full-size zero
-        # tensor (SliceBackward), O(sequences x tokens): 2x the whole layer's training time at 64 x 1K.
-        o, _, _ = gdn_varlen(
-            mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
-            torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), self.A_log, a, b,
-            self.dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
-            mode=mode, packed=True, chunk_rows=chunk_rows,
-        )
-        core = o.to(x_TD.dtype)
-        y = gated_rms_norm(core, z, self.norm, c.rms_norm_eps, True, "silu")
-        return bi_linear(y.reshape(T, self.value_dim), self.out_proj)
+        if self.c.interleaved_gdn:
+            projections = (self.in_proj_qkvz, self.in_proj_ba)
+        else:
+            projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        return gdn_block(self.c, x_TD, cu, projections, self.conv1d, self.A_log, self.dt_bias, self.norm,
+                         self.out_proj, prompt_lens)
 
 
 class MLP(nn.Module):
@@ -261,8 +369,7 @@ class MLP(nn.Module):
         self.gate_proj, self.up_proj, self.down_proj = _p(inter, D), _p(inter, D), _p(D, inter)
 
     def forward(self, x):
-        gate_up = torch.cat([bi_linear(x, self.gate_proj), bi_linear(x, self.up_proj)], dim=-1)
-        return bi_linear(silu_mul(gate_up), self.down_proj)
+        return mlp_block(x, self.gate_proj, self.up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):
@@ -277,13 +384,9 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = _p(1, D) if shared_inter else None
 
     def forward(self, x):
-        weights, ids = softmax_topk(bi_linear(x, self.gate), self.c.num_experts_per_tok, self.c.norm_topk_prob)
-        routed = moe_experts(x, self.w13, self.w2, weights, ids)
-        if self.shared_expert is None:
-            return routed
-        shared = self.shared_expert(x)
-        shared = pointwise.sigmoid(bi_linear(x, self.shared_expert_gate)).to(shared.dtype) * shared
-        return shared + routed
+        s = self.shared_expert
+        shared = None if s is None else (s.gate_proj, s.up_proj, s.down_proj)
+        return moe_block(self.c, x, self.gate, self.w13, self.w2, shared, self.shared_expert_gate)
 
 
 class DecoderLayer(nn.Module):
@@ -301,16 +404,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(c, moe_inter, shared_inter) if c.moe else MLP(c.hidden_size, inter)
 
     def forward(self, h, residual, positions, cu, prompt_lens=None):
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
         if self.layer_type == "linear_attention":
-            h = self.linear_attn(h, positions, cu, prompt_lens)
+            def mixer(x):
+                return self.linear_attn(x, positions, cu, prompt_lens)
         else:
-            h = self.self_attn(h, positions, cu)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+            def mixer(x):
+                return self.self_attn(x, positions, cu)
+        return decoder_layer(h, residual, self.input_layernorm, mixer, self.post_attention_layernorm, self.mlp)
 
 
 class QwenGDNForCausalLM(nn.Module):
@@ -429,25 +529,14 @@ class QwenGDNForCausalLM(nn.Module):
         if prompt_lens is not None and len(prompt_lens) != len(cu_seqlens) - 1:
             raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(cu_seqlens) - 1} sequences")
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        positions = torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]).to(input_ids.device)
-        h = self.embed_tokens[input_ids]
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions, cu, prompt_lens)
-        h, _ = self.norm(h, residual)
+        h = decoder_stack(self.embed_tokens[input_ids], self.layers, self.norm, cu, prompt_lens)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return bi_linear(h, head)
 
     def token_logprobs(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
         """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per sequence (last of each is NaN)."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        lp = log_softmax(self(input_ids, cu), dim=-1, dtype=torch.float32)
-        out = torch.full((input_ids.shape[0],), float("nan"), device=input_ids.device)
-        for i in range(len(cu) - 1):
-            s, e = cu[i], cu[i + 1]
-            if e - s > 1:
-                out[s : e - 1] = lp[s : e - 1].gather(1, input_ids[s + 1 : e].unsqueeze(1)).squeeze(1)
-        return out
+        return next_token_logprobs(self(input_ids, cu), input_ids, cu)
 
     def completion_logprobs(self, pairs, entropy: bool = False) -> tuple[list[torch.Tensor], float]:
         """Pack ``pairs`` of (prompt ids, completion ids) into one forward. Returns each completion's
