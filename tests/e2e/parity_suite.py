@@ -86,16 +86,20 @@ def check_p4(model_path: str, label: str, *results) -> int:
     model = QwenGDNForCausalLM.from_pretrained(model_path)
     comps = _unique_completions(*results)
     got = trainer_logprobs(model, comps, pack=16)
+    n = _count_equal(comps, got, f"{label}: P4 broken", "trainer")
+    alone = trainer_logprobs(model, comps[:1], pack=1)[0]
+    assert alone == got[0], f"{label}: trainer result changed between packing 1 and 16 sequences"
+    return n
+
+
+def _count_equal(comps, got, what: str, who: str) -> int:
+    """Assert every completion's logprobs in ``got`` equal the server's, bitwise; the number of tokens compared."""
     n = 0
     for c, mine in zip(comps, got):
         bad = [i for i, (a, b) in enumerate(zip(mine, c.logprobs)) if a != b]
-        assert not bad, (
-            f"{label}: P4 broken: {len(bad)}/{len(mine)} tokens differ, first at {bad[0]}: "
-            f"trainer {mine[bad[0]]!r} vs server {c.logprobs[bad[0]]!r}"
-        )
+        assert not bad, (f"{what}: {len(bad)}/{len(mine)} tokens differ, first at {bad[0]}: {who} {mine[bad[0]]!r} "
+                         f"vs server {c.logprobs[bad[0]]!r}")
         n += len(mine)
-    alone = trainer_logprobs(model, comps[:1], pack=1)[0]
-    assert alone == got[0], f"{label}: trainer result changed between packing 1 and 16 sequences"
     return n
 
 
@@ -129,14 +133,7 @@ def check_p4_hf(model_path: str, label: str, *results) -> int:
     ids, mask = batch(comps)
     with torch.no_grad():
         got = sampled(token_logprobs(model, ids, mask, prompt_lens=[len(c.prompt_ids) for c in comps]), comps)
-    n = 0
-    for c, mine in zip(comps, got):
-        bad = [i for i, (a, b) in enumerate(zip(mine, c.logprobs)) if a != b]
-        assert not bad, (
-            f"{label}: adapted transformers model vs server: {len(bad)}/{len(mine)} tokens differ, first at "
-            f"{bad[0]}: {mine[bad[0]]!r} vs server {c.logprobs[bad[0]]!r}"
-        )
-        n += len(mine)
+    n = _count_equal(comps, got, f"{label}: adapted transformers model vs server", "adapted")
 
     stock = cls.from_pretrained(model_path, dtype=torch.bfloat16)
     few = comps[:4]
