@@ -197,3 +197,20 @@ def test_router_gate_same_bits_as_bmm_or_mm():
     via_mm = bi_linear(x, gate)
     via_bmm = bi_bmm(x.unsqueeze(0), gate.t().unsqueeze(0), torch.bfloat16)[0]
     assert torch.equal(via_mm, via_bmm)
+
+
+def test_cpu_mean_override_takes_scalars_and_matches_a_row_sum():
+    """The CPU ``aten::mean.dim`` override (``patch.aten_overrides``) on a 0-d tensor (a trainer's gathered loss in
+    the server's process, e.g. TRL's colocated vLLM): the value itself, whatever the dim spelling; on a matrix the
+    op library's row sum over the count. Control: without the scalar case the permute of no dims raised."""
+    from vllm_bi.patch.aten_overrides import _mean_dim
+    from vllm_bi.ops.reduce import row_sum
+
+    s = torch.tensor(2.5, dtype=torch.bfloat16)
+    for dim in (None, [], [0], [-1]):
+        m = _mean_dim(s, dim)
+        assert m.dim() == 0 and m.dtype == torch.bfloat16 and m.item() == 2.5 and m.data_ptr() != s.data_ptr()
+    assert _mean_dim(s, [0], dtype=torch.float32).dtype == torch.float32
+    x = torch.randn(5, 7)
+    assert torch.equal(_mean_dim(x, [-1]), (row_sum(x, torch.float32) / 7).squeeze(-1))
+    assert _mean_dim(x, [1], keepdim=True).shape == (5, 1)

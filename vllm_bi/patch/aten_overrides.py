@@ -28,6 +28,8 @@ _LIB: torch.library.Library | None = None
 
 def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
     out_dtype = dtype or x.dtype
+    if x.dim() == 0:  # a scalar's mean (over dim 0, -1 or none) is itself: e.g. a trainer's gathered loss
+        return x.to(out_dtype, copy=True)
     dims = list(range(x.dim())) if dim is None or len(dim) == 0 else sorted(d % x.dim() for d in dim)
     keep = [d for d in range(x.dim()) if d not in dims]
     xp = x.permute(*keep, *dims)
