@@ -13,7 +13,7 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["ARCHITECTURES", "read_model_config"]
+__all__ = ["ARCHITECTURES", "read_model_config", "write_checkpoint"]
 
 # config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
 ARCHITECTURES = {
@@ -57,3 +57,21 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True) 
             raise UsageError(f"{where}: architecture {arch} is not a GDN hybrid vllm_bi supports; give a checkpoint "
                              f"of {', '.join(ARCHITECTURES)}")
     return cfg
+
+
+def write_checkpoint(path: str, like: str, tensors: dict) -> str:
+    """Write ``tensors`` (HF checkpoint names -> tensors) as ``path/model.safetensors``, with every other file of the
+    checkpoint directory ``like`` (config, tokenizer) copied beside it. Returns ``path``."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(like):
+        if not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json"):
+            src = os.path.join(like, name)
+            if os.path.isfile(src):
+                shutil.copy(src, os.path.join(path, name))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path

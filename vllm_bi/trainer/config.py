@@ -71,6 +71,10 @@ class TrainerConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     grad_clip: float = _f(1.0, "max global gradient norm (0 = off)")
     micro_batch_seqs: int = _f(16, "sequences per trainer forward/backward (gradient accumulation over the batch)")
+    arithmetic: str = _f("vllm_bi", "vllm_bi: the server's op library, logprobs equal to the server's bit for bit; "
+                                    "stock: the non-batch-invariant baseline for timing what batch invariance costs "
+                                    "(transformers' own model against a stock vLLM server, VLLM_BATCH_INVARIANT=0; "
+                                    "its logprobs differ from the server's)", choices=("vllm_bi", "stock"))
     # ---- async and weight sync
     max_staleness: int = _f(0, "off-policy window: a batch may be sampled up to this many weight versions before "
                                "the trainer uses it (0 = synchronous, on-policy)")
@@ -114,6 +118,8 @@ class TrainerConfig:
             bad("lr", "must be > 0")
         if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
             bad("keep_weight_versions", f"must be 0 or >= max_staleness + 1 = {self.max_staleness + 1}")
+        if self.arithmetic == "stock" and self.recompute_at_sample_version:
+            bad("recompute_at_sample_version", "recomputes with vllm_bi's model; not with --arithmetic stock")
         if self.server_url and not self.model:
             bad("model", "with --server-url, also give --model: the checkpoint directory the server was started with")
         if self.server_url and not self.server_url.startswith(("http://", "https://")):

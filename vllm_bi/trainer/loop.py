@@ -88,7 +88,15 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
     t0 = time.perf_counter()
-    model = QwenGDNForCausalLM.from_pretrained(model_dir).to(dist.device)
+    if cfg.arithmetic == "stock":
+        from vllm_bi.trainer.stock import StockModel
+
+        if dist.world > 1:
+            raise TrainerError("--arithmetic stock runs in one process (the baseline is not sharded); drop torchrun",
+                               exit_code=USAGE)
+        model = StockModel.from_pretrained(model_dir).to(dist.device)
+    else:
+        model = QwenGDNForCausalLM.from_pretrained(model_dir).to(dist.device)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
     if dist.main:
@@ -134,7 +142,9 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         share_server_tiles(dist, cfg.run_dir)  # VLLM_BI_GEMM_CONFIGS=tune: every rank installs the server's table
         if resumed:  # the tile table, known now, must be the run's
             check_resumed_settings(cfg.run_dir, dist.device)
-        sync = WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights) if dist.main else None
+        bi = cfg.arithmetic != "stock"
+        sync = (WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights and bi,
+                           layout=bi) if dist.main else None)
         state = model.hf_state_dict()
         _on_main(dist, lambda: sync.push(model, start, state), share=False)
         if not resumed and checkpoint_due(cfg.save_every, 0, cfg.steps):

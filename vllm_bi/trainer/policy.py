@@ -138,7 +138,10 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         loss_sum += float(loss.detach())
         clipped += st["clipped"]
         ratio_max = max(ratio_max, st["ratio_max"])
+    _sync(dist.device)  # the split below times the GPU's work, not its queueing
+    t_opt = time.perf_counter()
     grad_norm = policy.step() if denom else 0.0
+    _sync(dist.device)
     train_s = time.perf_counter() - t0
     r = rewards.float()
     seq_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
@@ -157,7 +160,14 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         "groups/used": int(use.view(-1, cfg.group_size)[:, 0].sum()),
         "trainer/tokens_per_s": seq_tokens / dist.reduce(train_s, "max"),
         "time/train_s": train_s,
+        "time/forward_backward_s": t_opt - t0,  # the trainer's logprobs, the loss and its backward
+        "time/optimizer_s": train_s - (t_opt - t0),  # gradient reduction, clipping, AdamW, masters to bf16
     }
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def logprob_diff_at_version(model_dir: str, batch: RolloutBatch, device: str = "cpu") -> float:

@@ -41,7 +41,10 @@ def connect(cfg: TrainerConfig, model_dir: str):
     client = server or VllmClient(cfg.server_url, model_dir, api_key=cfg.api_key or None)
     client.paused_wait = PAUSED_WAIT_S
     try:
-        check_server(client, cfg.verify_weights, tiles_dir(cfg.run_dir))
+        if cfg.arithmetic == "stock":
+            check_admin_routes(client)  # a stock server: no vllm_bi RPCs to ask, no parity to check
+        else:
+            check_server(client, cfg.verify_weights, tiles_dir(cfg.run_dir))
     except BaseException:
         if server is not None:
             server.stop()
@@ -75,8 +78,9 @@ def start_server(cfg: TrainerConfig, model_dir: str):
             raise TrainerError(f"a vLLM server of this run dir is still running (pid {old}, {pid_file}): is another "
                                f"trainer using {cfg.run_dir}? Stop it (kill {old}) or use another --run-dir")
     log = os.path.join(cfg.run_dir, "server.log")
-    logger.info("starting VLLM_BATCH_INVARIANT=1 vllm serve %s (log: %s)", model_dir, log)
-    env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
+    bi = cfg.arithmetic != "stock"
+    logger.info("starting VLLM_BATCH_INVARIANT=%d vllm serve %s (log: %s)", int(bi), model_dir, log)
+    env = cpu_env(bi, {"VLLM_SERVER_DEV_MODE": "1"})
     for k in [k for k in env if k in _TORCHRUN_ENV or k.startswith("TORCHELASTIC_")]:
         del env[k]  # the server is not part of the trainer's process group
     srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log, api_key=cfg.api_key or None)
@@ -108,7 +112,8 @@ def share_server_tiles(dist, run_dir: str) -> None:
         adopt_table(text, tiles_dir(run_dir))
 
 
-def check_server(client: VllmClient, verify_weights: bool = True, tiles: str | None = None) -> None:
+def check_admin_routes(client: VllmClient) -> None:
+    """The server answers, with this key, and has the admin routes the weight push uses (``VLLM_SERVER_DEV_MODE``)."""
     try:
         client.weight_version()
     except ServerAuthError as e:
@@ -116,6 +121,10 @@ def check_server(client: VllmClient, verify_weights: bool = True, tiles: str | N
     except RuntimeError as e:
         raise TrainerError(f"{e}; start the server with VLLM_SERVER_DEV_MODE=1 (the trainer swaps weights through "
                            "its admin routes)") from None
+
+
+def check_server(client: VllmClient, verify_weights: bool = True, tiles: str | None = None) -> None:
+    check_admin_routes(client)
     infos = client.collective_rpc("vllm_bi_info")  # one entry per worker
     workers = len(infos)
     if workers == 0 or not isinstance(infos[0], dict):

@@ -56,10 +56,12 @@ class ModelMismatch(ValueError):
 
 
 class WeightSync:
-    def __init__(self, client, run_dir: str, base_model: str, keep: int, verify: bool = True):
+    def __init__(self, client, run_dir: str, base_model: str, keep: int, verify: bool = True, layout: bool = True):
+        """``verify``: the weight digest after every push; ``layout``: the served model's tensor names and shapes
+        before the first (both vllm_bi's worker RPCs: off against a stock server)."""
         self.client, self.base_model, self.keep, self.verify = client, base_model, keep, verify
         self.good: tuple[int, str] | None = None  # the last version the server verifiably held, and its files
-        self._layout_checked = False
+        self._layout_checked = not layout
         self._step = SWAP_STEPS[0]  # the swap step in progress (what a failed push names)
         self.dir = os.path.join(run_dir, "weights")
         os.makedirs(self.dir, exist_ok=True)
