@@ -52,15 +52,21 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
     prompts = S.mixed_prompts(models)
     out = []
 
-    def add(model_key, mode, arithmetic, stock=False, max_tokens=48):
+    def add(model_key, mode, arithmetic, stock=False, max_tokens=48, trainer="vllm_bi", chunk_decode=None):
         extra = NAMED[arithmetic]
         preset = DEFAULT_PRESET if arithmetic == "default" else arithmetic
         name = (f"control: stock vLLM {model_key}" if stock
                 else f"{model_key} {mode} {arithmetic}" + (" (auto: eager decode in chunk mode)"
-                                                             if mode == "chunk" and preset == "auto" else ""))
+                                                             if mode == "chunk" and preset == "auto" and not chunk_decode
+                                                             else ""))
+        if chunk_decode:
+            name += f", VLLM_BI_CHUNK_DECODE={chunk_decode} (decode in CUDA graphs)"
+        if trainer != "vllm_bi":
+            name += f", trainer: {trainer}"
         job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
-                        mem=MEM, **extra)
-        out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic}))
+                        mem=MEM, trainer=trainer, chunk_decode=chunk_decode, **extra)
+        out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic,
+                          "trainer": trainer}))
 
     for key in ("qwen3.5", "qwen3-next", "qwen3.5-moe", "qwen3.5-moe-odd"):
         for mode in MODES:
@@ -70,6 +76,11 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
             add(key, mode, OTHER)
     for mode in ("chunk", "recurrent"):
         add("qwen3.5-9b", mode, "default", max_tokens=32)
+    # transformers' own model class with vllm_bi's ops applied (what an outside trainer runs), at 9B layer dims
+    add("qwen3.5-9b", "recurrent", "default", max_tokens=32, trainer="transformers")
+    # the chunk mode's padded decode, captured in CUDA graphs (opt-in)
+    for key in ("qwen3.5", "qwen3-next"):
+        add(key, "chunk", "default", chunk_decode="padded")
     add("qwen3.5-moe-odd", "recurrent", "default", stock=True)
     return out
 

@@ -55,8 +55,10 @@ class Job:
 
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
-            prompts=None, gemm=None, attention=None, graphs=None, moe=None, tiles=None, preset=None, mem=MEM) -> Job:
-    """A ``vllm-bi parity`` job; a setting left None is not set (the defaults, or the suite's environment)."""
+            prompts=None, gemm=None, attention=None, graphs=None, moe=None, tiles=None, preset=None, mem=MEM,
+            chunk_decode=None, trainer="vllm_bi") -> Job:
+    """A ``vllm-bi parity`` job (``trainer``: its ``--trainer``); a setting left None is not set (the defaults, or the
+    suite's environment)."""
     server_args = f"{mem} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -64,8 +66,11 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
         argv.append("--stock-server")
     if prompts:
         argv += ["--prompts", prompts]
+    if trainer != "vllm_bi":
+        argv += ["--trainer", trainer]
     given = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention,
-             "VLLM_BI_CUDA_GRAPHS": graphs, "VLLM_BI_MOE": moe, "VLLM_BI_GEMM_CONFIGS": tiles, "VLLM_BI_PRESET": preset}
+             "VLLM_BI_CUDA_GRAPHS": graphs, "VLLM_BI_MOE": moe, "VLLM_BI_GEMM_CONFIGS": tiles, "VLLM_BI_PRESET": preset,
+             "VLLM_BI_CHUNK_DECODE": chunk_decode}
     env = {k: v for k, v in given.items() if v is not None}
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 

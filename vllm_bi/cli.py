@@ -330,8 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--max-tokens", type=_int(1), default=32, help="tokens per sample (default 32)")
     pa.add_argument("--seed", type=_int(0), default=0, help="base sampling seed (default 0)")
     pa.add_argument("--temperature", type=_float(0.0), default=1.0, help="sampling temperature, >= 0 (default 1.0)")
-    pa.add_argument("--trainer", default="vllm_bi", choices=["vllm_bi", "hf"],
-                    help="recompute with vllm_bi's trainer model (default) or HF transformers bf16 (the usual stack)")
+    pa.add_argument("--trainer", default="vllm_bi", choices=["vllm_bi", "transformers", "hf"],
+                    help="recompute with vllm_bi's trainer model (default), transformers' own model class adapted "
+                    "to vllm_bi's op library (vllm_bi.integrations.transformers.apply: what an outside trainer "
+                    "runs), or HF transformers bf16 as it is (the usual stack: expected to FAIL)")
     pa.add_argument("--trainer-model", default=None, help="checkpoint the trainer loads (default: --model)")
     pa.add_argument("--max-num-batched-tokens", type=_int(1), default=64,
                     help="token budget of the server this command starts (default 64: prompts get split)")

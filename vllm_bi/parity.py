@@ -96,6 +96,11 @@ class ParityReport:
         return "\n".join(f"{k.ljust(w)}  {v}" for k, v in rows)
 
 
+# who recomputes: vllm_bi's trainer model, transformers' own model adapted to the op library, or transformers' own
+# model as it is (the usual stack: the control)
+TRAINERS = ("vllm_bi", "transformers", "hf")
+
+
 def trainer_logprobs(model, completions, pack: int = 8, progress=lambda it: it) -> list[list[float]]:
     """The trainer model's logprob of every sampled token of ``completions``, ``pack`` sequences per forward
     (on the device the model's parameters are on)."""
@@ -137,6 +142,45 @@ def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str 
         n = len(c.prompt_ids)
         out.append([lp[n - 1 + k, t].item() for k, t in enumerate(c.token_ids)])
     return out
+
+
+def adapted_logprobs(model, completions, pack: int = 8, progress=lambda it: it) -> list[list[float]]:
+    """A transformers model adapted by :func:`vllm_bi.integrations.transformers.apply`: every sampled token's logprob
+    of ``completions``, ``pack`` right-padded sequences per forward, through ``token_logprobs``."""
+    import torch
+
+    from vllm_bi.integrations.transformers import token_logprobs
+
+    dev = next(model.parameters()).device
+    out = []
+    for i in progress(range(0, len(completions), pack)):
+        group = completions[i : i + pack]
+        seqs = [c.prompt_ids + c.token_ids for c in group]
+        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, seq in enumerate(seqs):
+            ids[j, : len(seq)], mask[j, : len(seq)] = torch.tensor(seq), 1
+        with torch.no_grad():
+            lp = token_logprobs(model, ids.to(dev), mask.to(dev), prompt_lens=[len(c.prompt_ids) for c in group])
+        out.extend(lp[j, len(c.prompt_ids) - 1 : len(c.prompt_ids) - 1 + len(c.token_ids)].tolist()
+                   for j, c in enumerate(group))
+    return out
+
+
+def adapted_transformers_model(model_dir: str, device: str = "cpu"):
+    """The checkpoint's transformers class (bf16) with vllm_bi's op library applied
+    (:func:`vllm_bi.integrations.transformers.apply`)."""
+    import torch
+    import transformers
+
+    from vllm_bi.integrations.transformers import apply
+
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(model_dir).architectures[0])
+    return apply(cls.from_pretrained(model_dir, dtype=torch.bfloat16).to(device))
+
+
+def _recompute_adapted(model_dir: str, completions, pack: int, progress, device: str):
+    return adapted_logprobs(adapted_transformers_model(model_dir, device), completions, pack, progress)
 
 
 def settings_mismatch(info: dict) -> str | None:
@@ -205,12 +249,12 @@ def check_inputs(model: str, trainer: str = "vllm_bi", trainer_model: str | None
     from vllm_bi.model_dir import read_model_config
     from vllm_bi.settings import current
 
-    if trainer not in ("vllm_bi", "hf"):
-        raise UsageError(f"--trainer {trainer!r}: choose vllm_bi or hf")
+    if trainer not in TRAINERS:
+        raise UsageError(f"--trainer {trainer!r}: choose {', '.join(TRAINERS)}")
     for flag, value in (("--n", n), ("--max-tokens", max_tokens)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}: there would be no token to compare")
-    mine = trainer == "vllm_bi"
+    mine = trainer != "hf"  # vllm_bi's model, or transformers' adapted to vllm_bi's ops: a supported architecture
     read_model_config(model, "--model", supported=mine and trainer_model is None)
     if trainer_model is not None:
         read_model_config(trainer_model, "--trainer-model", supported=mine)
@@ -295,7 +339,7 @@ def run_parity(
     def progress(it):
         return tqdm(it, desc=f"recomputing with the {trainer} trainer", disable=not show_progress)
 
-    recompute = _recompute_vllm_bi if trainer == "vllm_bi" else _recompute_hf
+    recompute = {"vllm_bi": _recompute_vllm_bi, "transformers": _recompute_adapted, "hf": _recompute_hf}[trainer]
     mine = recompute(trainer_model or model, completions, 8, progress, trainer_device or default_trainer_device())
     tokens = equal = 0
     max_d = sum_d = 0.0
@@ -309,7 +353,7 @@ def run_parity(
             if a != b and first is None:
                 first = {"sequence": si, "prompt": si // n, "sample": si % n, "position": pos, "server": a, "trainer": b}
     return ParityReport(model, trainer, len(completions), tokens, equal, max_d, sum_d / max(tokens, 1), first,
-                        trainer_settings(trainer_device or default_trainer_device()) if trainer == "vllm_bi" else "",
+                        trainer_settings(trainer_device or default_trainer_device()) if trainer != "hf" else "",
                         server_execution(info))
 
 

@@ -105,43 +105,18 @@ def _count_equal(comps, got, what: str, who: str) -> int:
 
 def check_p4_hf(model_path: str, label: str, *results) -> int:
     """transformers' own model class adapted by ``vllm_bi.integrations.transformers.apply`` == server logprobs for
-    every sampled token (all unique completions in one right-padded batch, through ``token_logprobs``).
+    every sampled token (all unique completions in one right-padded batch, through ``token_logprobs``:
+    ``vllm_bi.parity.adapted_logprobs``, what ``vllm-bi parity --trainer transformers`` runs).
 
     Negative control: the same model unadapted (transformers' forward, fp32 log-softmax) differs on the first
     completions. Returns the number of tokens compared."""
-    import torch
-    import transformers
+    from vllm_bi.parity import _recompute_hf, adapted_logprobs, adapted_transformers_model
 
-    from vllm_bi.integrations.transformers import apply, token_logprobs
-
-    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(model_path).architectures[0])
     comps = _unique_completions(*results)
-
-    def batch(cs):
-        seqs = [c.prompt_ids + c.token_ids for c in cs]
-        ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)], mask[i, : len(s)] = torch.tensor(s), 1
-        return ids, mask
-
-    def sampled(lp, cs):  # [B, L - 1] next-token logprobs -> each completion's sampled tokens'
-        return [lp[i, len(c.prompt_ids) - 1 : len(c.prompt_ids) - 1 + len(c.token_ids)].tolist()
-                for i, c in enumerate(cs)]
-
-    model = apply(cls.from_pretrained(model_path, dtype=torch.bfloat16))
-    ids, mask = batch(comps)
-    with torch.no_grad():
-        got = sampled(token_logprobs(model, ids, mask, prompt_lens=[len(c.prompt_ids) for c in comps]), comps)
+    got = adapted_logprobs(adapted_transformers_model(model_path), comps, pack=len(comps))
     n = _count_equal(comps, got, f"{label}: adapted transformers model vs server", "adapted")
-
-    stock = cls.from_pretrained(model_path, dtype=torch.bfloat16)
     few = comps[:4]
-    ids, mask = batch(few)
-    with torch.no_grad():
-        lp = torch.log_softmax(stock(ids, attention_mask=mask).logits.float(), -1)[:, :-1]
-        lp = lp.gather(-1, ids[:, 1:, None])[..., 0]
-    stock_got = sampled(lp, few)
+    stock_got = _recompute_hf(model_path, few, 4, lambda it: it)
     assert any(a != b for c, s in zip(few, stock_got) for a, b in zip(s, c.logprobs)), (
         f"{label}: the unadapted transformers model matched the server on every token: the adapter's parity test "
         "cannot fail here"

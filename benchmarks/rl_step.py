@@ -1,0 +1,90 @@
+"""Benchmark: what batch invariance costs an RL step, the trainer's loop on both arithmetics side by side in one run.
+
+    python benchmarks/rl_step.py --model DIR [--steps 5] [--out rl_step.md] [--trainer-args "--prompts-per-step 8"]
+
+Runs ``python -m vllm_bi.trainer`` twice on the same checkpoint and recipe: ``--arithmetic stock`` (transformers' own
+model against a stock vLLM server the trainer starts: the non-batch-invariant baseline) and ``--arithmetic vllm_bi``
+(the defaults: a ``VLLM_BATCH_INVARIANT=1`` server and the op library). Each run's first step is a warm-up
+(compiles, autotuning) and left out; the table holds the median over the other steps of each part of the step,
+from the runs' ``metrics.jsonl``: rollout (``time/generate_s``), trainer forward+backward, optimizer, weight push
+(save + swap + verify) and the whole step, with the ratio vllm_bi / stock, and each run's max logprob gap.
+A full-size 9B with AdamW does not fit one H200 beside a server: give a full-width checkpoint with fewer layers
+(``vllm-bi make-checkpoint qwen3.5-9b DIR --layers 8``) and say so with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+
+PARTS = [("rollout (generate)", ("time/generate_s",)),
+         ("trainer forward + backward", ("time/forward_backward_s",)),
+         ("optimizer", ("time/optimizer_s",)),
+         ("weight push (save + swap + verify)", ("time/sync_save_s", "time/sync_swap_s", "time/sync_verify_s")),
+         ("whole step", ("time/step_s",))]
+SIDES = ("stock", "vllm_bi")
+
+
+def read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def medians(rows: list[dict], warmup: int = 1) -> dict:
+    """Per part of :data:`PARTS`, the median over the rows after the first ``warmup`` (all rows if no more); and the
+    run's max |trainer - server| logprob and the steps counted."""
+    used = rows[warmup:] or rows
+    out = {label: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in used) for label, keys in PARTS}
+    out["max logprob gap"] = max(r["bit_wise/logprob_diff/max"] for r in rows)
+    out["steps timed"] = len(used)
+    return out
+
+
+def table(by_side: dict[str, dict]) -> list[str]:
+    s, b = by_side["stock"], by_side["vllm_bi"]
+    lines = ["| part (median s per step) | stock | vllm_bi | vllm_bi / stock |", "| --- | ---: | ---: | ---: |"]
+    for label, _ in PARTS:
+        ratio = f"{b[label] / s[label]:.2f}x" if s[label] > 0 else ""
+        lines.append(f"| {label} | {s[label]:.3f} | {b[label]:.3f} | {ratio} |")
+    lines.append(f"| max logprob gap | {s['max logprob gap']:.3g} | {b['max logprob gap']:.3g} | |")
+    lines.append(f"| steps timed | {s['steps timed']} | {b['steps timed']} | |")
+    return lines
+
+
+def run_side(side: str, model: str, steps: int, run_root: str, extra: list[str]) -> str:
+    run_dir = os.path.join(run_root, side)
+    cmd = [sys.executable, "-m", "vllm_bi.trainer", "--model", model, "--arithmetic", side, "--steps", str(steps),
+           "--run-dir", run_dir, "--resume", "false", "--save-every", "0", "--progress", "false", *extra]
+    print(f"[rl-step] {side}: {shlex.join(cmd)}", flush=True)
+    subprocess.run(cmd, check=True)
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a checkpoint directory (vllm-bi make-checkpoint ...)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per side; the first is a warm-up")
+    ap.add_argument("--run-root", default="runs/rl_step", help="each side's --run-dir goes under it")
+    ap.add_argument("--trainer-args", default="", help="more trainer options for both sides (one string)")
+    ap.add_argument("--out", default="rl_step.md")
+    args = ap.parse_args()
+    if args.steps < 2:
+        ap.error("--steps must be >= 2: the first step of each side is a warm-up")
+    extra = shlex.split(args.trainer_args)
+    by_side = {side: medians(read_rows(run_side(side, args.model, args.steps, args.run_root, extra)))
+               for side in SIDES}
+    text = [f"# RL step, stock vs vllm_bi, {args.model}", "", "command: " + shlex.join([sys.executable, *sys.argv]),
+            "", *table(by_side)]
+    with open(args.out, "w") as f:
+        f.write("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""``benchmarks/rl_step.py``'s pure parts: the median of each part of a step over the steps after the warm-up, and
+the table's ratio the right way round (vllm_bi / stock)."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("rl_step", os.path.join(ROOT, "benchmarks", "rl_step.py"))
+RS = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(RS)
+
+
+def _row(gen, fb, opt, sync, step, gap=0.0):
+    return {"time/generate_s": gen, "time/forward_backward_s": fb, "time/optimizer_s": opt,
+            "time/sync_save_s": sync / 2, "time/sync_swap_s": sync / 2, "time/sync_verify_s": 0.0,
+            "time/step_s": step, "bit_wise/logprob_diff/max": gap}
+
+
+def test_medians_skip_the_warm_up_and_sum_the_push():
+    rows = [_row(100, 100, 100, 100, 100, 0.5), _row(1, 2, 3, 4, 10), _row(3, 2, 1, 6, 12), _row(2, 2, 2, 5, 11)]
+    m = RS.medians(rows)
+    assert m["rollout (generate)"] == 2 and m["optimizer"] == 2 and m["weight push (save + swap + verify)"] == 5
+    assert m["whole step"] == 11 and m["steps timed"] == 3 and m["max logprob gap"] == 0.5
+    assert RS.medians(rows[:1])["steps timed"] == 1  # one step only: it is all there is
+
+
+def test_table_ratio_is_vllm_bi_over_stock():
+    stock = RS.medians([_row(9, 9, 9, 9, 9), _row(1, 2, 1, 1, 5, 0.01)])
+    bi = RS.medians([_row(9, 9, 9, 9, 9), _row(1.5, 2.2, 1, 1, 5.7)])
+    text = "\n".join(RS.table({"stock": stock, "vllm_bi": bi}))
+    assert "| rollout (generate) | 1.000 | 1.500 | 1.50x |" in text
+    assert "| whole step | 5.000 | 5.700 | 1.14x |" in text
+    assert "| max logprob gap | 0.01 | 0 | |" in text
