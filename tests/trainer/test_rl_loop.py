@@ -82,6 +82,22 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
     assert server.weight_digest() != weight_digest(QwenGDNForCausalLM.from_pretrained(model_dir).hf_state_dict().items())
 
 
+def test_stock_baseline_runs_the_same_loop_with_a_nonzero_gap(server, model_dir, tmp_path):
+    """``--arithmetic stock`` (transformers' own model, vllm_bi's checks off) through the same loop, here against the
+    module's server: every step's time split into its parts, the pushed weights the ones the server then holds
+    (its digest equals the last saved checkpoint's), and the gap not zero (the control: other arithmetic)."""
+    rows = train(cfg(server, model_dir, tmp_path, steps=2, arithmetic="stock", prompts_per_step=2, group_size=2,
+                     max_tokens=4))
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["time/forward_backward_s"] > 0 and r["time/optimizer_s"] > 0 and r["time/generate_s"] > 0
+        assert r["time/train_s"] == pytest.approx(r["time/forward_backward_s"] + r["time/optimizer_s"])
+    assert max(r["bit_wise/logprob_diff/max"] for r in rows) > 0
+    assert server.weight_version() == "2"
+    final = QwenGDNForCausalLM.from_pretrained(str(tmp_path / "weights" / "v000002"))
+    assert server.weight_digest() == weight_digest(final.hf_state_dict().items())
+
+
 def test_async_gap_is_staleness_only(server, model_dir, tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         rows = train(cfg(server, model_dir, tmp_path, steps=5, max_staleness=1, recompute_at_sample_version=True))
