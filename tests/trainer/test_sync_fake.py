@@ -212,3 +212,59 @@ def test_digest_mismatch_on_a_missing_tensor(tmp_path):
     client = FakeClient(digest_of=server_state)
     with pytest.raises(PushFailed, match="other"):
         WeightSync(client, str(tmp_path), "base", keep=3).push(FakeModel(), 1)
+
+
+class FakeEngine:
+    """vLLM's trainer-side weight-transfer engine as ``WeightSync`` drives it: ``send_weights`` iterates the source
+    (the server "maps" those tensors) or fails."""
+
+    def __init__(self, client, fail=False):
+        from vllm_bi.trainer.sync import _StateSource
+
+        self.source, self.client, self.fail = _StateSource(), client, fail
+
+    def send_weights(self):
+        self.client.calls.append(("send_weights",))
+        if self.fail:
+            raise ConnectionError("update_weights failed")
+        self.client.loaded = {k: v.clone() for k, v in self.source}
+
+
+def test_ipc_push_sends_in_memory_in_the_swap_order_and_writes_nothing(tmp_path, monkeypatch):
+    """``--weight-push ipc``: the same swap with vLLM's engine in place of the reload, nothing under RUN_DIR/weights,
+    the digest of what the engine sent; a later failed push cannot go back (no copy kept) and leaves the server
+    paused; the engine is set up once."""
+    from vllm_bi.trainer import sync as S
+
+    client, model = FakeClient(), FakeModel()
+    made = []
+    monkeypatch.setattr(S, "ipc_engine", lambda c: made.append(FakeEngine(c)) or made[-1])
+    sync = WeightSync(client, str(tmp_path), "/base/model", keep=3, transfer="ipc")
+    sync.push(model, 1)
+    assert client.calls == [("pause", "wait"), ("set_weight_version", "1-loading"), ("send_weights",),
+                            ("reset_prefix_cache",), ("set_weight_version", "1"), ("resume",), ("weight_digest",)]
+    assert not model.saved and os.listdir(tmp_path / "weights") == []
+    assert torch.equal(client.loaded["model.layers.0.w"], model.state["model.layers.0.w"])
+    assert list(made[0].source) == []  # the engine holds no reference to the weights between pushes
+    sync.push(FakeModel(scale=2.0), 2)
+    assert len(made) == 1 and client.loaded["model.layers.0.w"][0, 1] == 2.0
+    made[0].fail = True
+    with pytest.raises(PushFailed, match=r"version 3 failed at 'reload'.*pushed in memory.*stays paused"):
+        sync.push(FakeModel(scale=3.0), 3)
+    assert client.calls[-2:] == [("pause", "wait"), ("set_weight_version", "3-failed")]
+
+
+def test_ipc_engine_refusal_names_the_server_flags(monkeypatch):
+    """A server without the IPC weight-transfer engine: one line naming its two settings and the files path."""
+    pytest.importorskip("vllm.distributed.weight_transfer")
+    from vllm.distributed import weight_transfer as W
+
+    from vllm_bi.client import ServerError
+    from vllm_bi.trainer.sync import ipc_engine
+
+    def refuse(*a, **k):
+        raise ServerError("Weight transfer not configured", 400)
+
+    monkeypatch.setattr(W.WeightTransferTrainerFactory, "trainer_init", refuse)
+    with pytest.raises(PushFailed, match=r"weight-transfer-config.*VLLM_ALLOW_INSECURE_SERIALIZATION=1.*files"):
+        ipc_engine(type("C", (), {"url": "http://127.0.0.1:1"})())

@@ -78,6 +78,12 @@ class TrainerConfig:
     # ---- async and weight sync
     max_staleness: int = _f(0, "off-policy window: a batch may be sampled up to this many weight versions before "
                                "the trainer uses it (0 = synchronous, on-policy)")
+    weight_push: str = _f("files", "how new weights reach the server: files (an HF checkpoint under RUN_DIR/weights, "
+                                   "reloaded by the server; any device) or ipc (CUDA: vLLM's weight-transfer engine, "
+                                   "CUDA IPC, trainer and server on one GPU; nothing written to disk; the server needs "
+                                   "--weight-transfer-config '{\"backend\": \"ipc\"}' and "
+                                   "VLLM_ALLOW_INSECURE_SERIALIZATION=1, which the trainer's own server gets)",
+                          choices=("files", "ipc"))
     verify_weights: bool = _f(True, "after every weight push, check that the server's weight digest equals the "
                                     "trainer's (refuse to continue on a mismatch)")
     recompute_at_sample_version: bool = _f(False, "also recompute each stale batch with the weights of the version "
@@ -118,6 +124,9 @@ class TrainerConfig:
             bad("lr", "must be > 0")
         if self.keep_weight_versions and self.keep_weight_versions < self.max_staleness + 1:
             bad("keep_weight_versions", f"must be 0 or >= max_staleness + 1 = {self.max_staleness + 1}")
+        if self.weight_push == "ipc" and self.recompute_at_sample_version:
+            bad("recompute_at_sample_version", "reloads the sampled version from its files; --weight-push ipc writes "
+                "none (use --weight-push files)")
         if self.arithmetic == "stock" and self.recompute_at_sample_version:
             bad("recompute_at_sample_version", "recomputes with vllm_bi's model; not with --arithmetic stock")
         if self.server_url and not self.model:

@@ -88,6 +88,9 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
     t0 = time.perf_counter()
+    if cfg.weight_push == "ipc" and (not str(dist.device).startswith("cuda") or dist.world > 1):
+        raise TrainerError("--weight-push ipc needs one trainer process on a CUDA device, beside its server (vLLM's "
+                           "CUDA IPC weight transfer); use --weight-push files", exit_code=USAGE)
     if cfg.arithmetic == "stock":
         from vllm_bi.trainer.stock import StockModel
 
@@ -144,7 +147,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             check_resumed_settings(cfg.run_dir, dist.device)
         bi = cfg.arithmetic != "stock"
         sync = (WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights and bi,
-                           layout=bi) if dist.main else None)
+                           layout=bi, transfer=cfg.weight_push) if dist.main else None)
         state = model.hf_state_dict()
         _on_main(dist, lambda: sync.push(model, start, state), share=False)
         if not resumed and checkpoint_due(cfg.save_every, 0, cfg.steps):

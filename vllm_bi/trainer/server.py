@@ -80,10 +80,14 @@ def start_server(cfg: TrainerConfig, model_dir: str):
     log = os.path.join(cfg.run_dir, "server.log")
     bi = cfg.arithmetic != "stock"
     logger.info("starting VLLM_BATCH_INVARIANT=%d vllm serve %s (log: %s)", int(bi), model_dir, log)
-    env = cpu_env(bi, {"VLLM_SERVER_DEV_MODE": "1"})
+    extra_env, args = {"VLLM_SERVER_DEV_MODE": "1"}, shlex.split(cfg.server_args)
+    if cfg.weight_push == "ipc":  # vLLM's weight-transfer engine, CUDA IPC backend (its handles travel pickled)
+        extra_env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        args += ["--weight-transfer-config", '{"backend": "ipc"}']
+    env = cpu_env(bi, extra_env)
     for k in [k for k in env if k in _TORCHRUN_ENV or k.startswith("TORCHELASTIC_")]:
         del env[k]  # the server is not part of the trainer's process group
-    srv = VllmServer(model_dir, env=env, args=shlex.split(cfg.server_args), log_path=log, api_key=cfg.api_key or None)
+    srv = VllmServer(model_dir, env=env, args=args, log_path=log, api_key=cfg.api_key or None)
     t0 = time.perf_counter()
     srv.start()
     logger.info("server ready in %.0f s", time.perf_counter() - t0)

@@ -1,9 +1,16 @@
 """Weight sync into the running server, with versions and a digest check.
 
-CPU (vLLM 0.32's CPU build has no weight-transfer engine): the trainer writes
-its bf16 weights as an HF checkpoint to ``RUN_DIR/weights/v<version>`` and the
-server loads them in place through ``/collective_rpc reload_weights`` — no
-restart, the engine, its KV cache and its compiled state stay.
+``--weight-push files`` (the default; CPU's only way: vLLM's weight-transfer engines move CUDA tensors): the
+trainer writes its bf16 weights as an HF checkpoint to ``RUN_DIR/weights/v<version>`` and the server loads them in
+place through ``/collective_rpc reload_weights`` — no restart, the engine, its KV cache and its compiled state stay.
+
+``--weight-push ipc`` (CUDA, trainer and server on one GPU): vLLM's own weight-transfer engine with its CUDA IPC
+backend (``vllm.distributed.weight_transfer``): the server maps the trainer's bf16 tensors (under the checkpoint's
+names) and copies them into its parameters; nothing is written to disk. The server must be started with
+``--weight-transfer-config '{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (the IPC handles
+travel pickled; the trainer starts its own server so). The swap, the labels and the digest check are the same; a
+failed push cannot return the server to an earlier version (no copy of it is kept), so it leaves the server
+paused, as the files path does when it has no earlier version.
 
 Before the first push the trainer's model is checked against the server's (:meth:`WeightSync.check_layout`: the
 architecture, and every tensor's name and shape from the served checkpoint's headers); another model is refused
@@ -56,10 +63,15 @@ class ModelMismatch(ValueError):
 
 
 class WeightSync:
-    def __init__(self, client, run_dir: str, base_model: str, keep: int, verify: bool = True, layout: bool = True):
+    def __init__(self, client, run_dir: str, base_model: str, keep: int, verify: bool = True, layout: bool = True,
+                 transfer: str = "files"):
         """``verify``: the weight digest after every push; ``layout``: the served model's tensor names and shapes
-        before the first (both vllm_bi's worker RPCs: off against a stock server)."""
+        before the first (both vllm_bi's worker RPCs: off against a stock server); ``transfer``: ``files`` or
+        ``ipc`` (the module doc)."""
+        if transfer not in ("files", "ipc"):
+            raise ValueError(f"weight push {transfer!r}: files or ipc")
         self.client, self.base_model, self.keep, self.verify = client, base_model, keep, verify
+        self.transfer, self._engine = transfer, None
         self.good: tuple[int, str] | None = None  # the last version the server verifiably held, and its files
         self._layout_checked = not layout
         self._step = SWAP_STEPS[0]  # the swap step in progress (what a failed push names)
@@ -85,10 +97,14 @@ class WeightSync:
         state = model.hf_state_dict() if state is None else state
         if not self._layout_checked:
             self.check_layout(state)
-        path = self.save(model, version, state)
+        if self.transfer == "ipc":
+            path, load = None, lambda: self._send_ipc(state)
+        else:
+            path = self.save(model, version, state)
+            load = None
         t1 = time.perf_counter()
         try:
-            self._swap(path, version, "loading")
+            self._swap(path, version, "loading", load)
             t2 = time.perf_counter()
             self._step = "verify"
             if self.verify:
@@ -107,6 +123,11 @@ class WeightSync:
             raise PushFailed(f"{what}; there is no earlier good version to return to, so the server {left} until a "
                              "good push (rerun the trainer)", step) from None
         good, path = self.good
+        if path is None:  # pushed in memory: no copy of that version to return to
+            left = self._close(f"{version}-failed")
+            raise PushFailed(f"{what}; version {good} was pushed in memory (--weight-push ipc) and no copy of it is "
+                             f"kept, so the server {left} until a good push (rerun the trainer: it resumes from its "
+                             "last checkpoint)", step) from None
         try:
             self._swap(path, good, "restoring")
         except (ServerError, ServerUnreachable, OSError) as e2:
@@ -115,18 +136,29 @@ class WeightSync:
                              f"so the server {left} until a good push (rerun the trainer)", step) from None
         raise PushFailed(f"{what}; the server is back on version {good} (reloaded from {path})", step) from None
 
-    def _swap(self, path: str, version: int, doing: str) -> None:
-        """Load the checkpoint at ``path`` into the paused server as ``version`` (labelled ``<version>-<doing>``
-        meanwhile, so a stop halfway never leaves new weights under an old label), then resume. ``self._step`` names
-        the step in progress (:data:`SWAP_STEPS`)."""
+    def _swap(self, path: str | None, version: int, doing: str, load=None) -> None:
+        """Load the checkpoint at ``path`` (or run ``load``: the in-memory transfer) into the paused server as
+        ``version`` (labelled ``<version>-<doing>`` meanwhile, so a stop halfway never leaves new weights under an
+        old label), then resume. ``self._step`` names the step in progress (:data:`SWAP_STEPS`)."""
         calls = (lambda: self.client.pause("wait"),
                  lambda: self.client.set_weight_version(f"{version}-{doing}"),
-                 lambda: self.client.reload_weights(os.path.abspath(path)),
+                 load or (lambda: self.client.reload_weights(os.path.abspath(path))),
                  self.client.reset_prefix_cache,
                  lambda: self.client.set_weight_version(str(version)),
                  self.client.resume)
         for self._step, call in zip(SWAP_STEPS, calls):  # SWAP_STEPS' last, "verify", is the caller's
             call()
+
+    def _send_ipc(self, state: dict) -> None:
+        """``state`` (checkpoint names -> CUDA tensors) into the server through vLLM's weight-transfer engine, CUDA
+        IPC backend; the engine is set up with the server on the first push."""
+        if self._engine is None:
+            self._engine = ipc_engine(self.client)
+        self._engine.source.state = state
+        try:
+            self._engine.send_weights()
+        finally:
+            self._engine.source.state = {}
 
     def _close(self, label: str) -> str:
         """Leave the server paused under ``label``; returns how it was left, for the error message."""
@@ -194,3 +226,32 @@ class WeightSync:
         for name in os.listdir(self.dir):
             if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= newest - self.keep:
                 shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+
+class _StateSource:
+    """The weights a push sends, as vLLM's weight-transfer engines iterate them: ``(checkpoint name, tensor)``."""
+
+    def __init__(self):
+        self.state: dict = {}
+
+    def __iter__(self):
+        return iter(self.state.items())
+
+
+def ipc_engine(client):
+    """vLLM's trainer-side CUDA IPC weight-transfer engine, driving the server through ``client`` (vllm_bi's, which
+    carries the API key). Raises :class:`PushFailed` naming the server flags when the server has no such engine."""
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+    class Routes(HTTPVLLMWeightSyncClient):  # vLLM's routes and payloads, sent by vllm_bi's client
+        def _post(self, path, json=None):
+            client._post("/" + path, json or {})
+
+    try:
+        return WeightTransferTrainerFactory.trainer_init(IPCTrainerInitInfo(rank=0), client=Routes(client.url),
+                                                          source=_StateSource())
+    except ServerError as e:
+        raise PushFailed(f"the server has no CUDA IPC weight transfer ({str(e).splitlines()[0][:300]}): start it with "
+                         "--weight-transfer-config '{\"backend\": \"ipc\"}' and VLLM_ALLOW_INSECURE_SERIALIZATION=1, "
+                         "or use --weight-push files", "reload") from None
