@@ -146,11 +146,13 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.setenv("VLLM_BI_CUDA_GRAPHS", "decode")
     # what a captured decode step cannot run, each named with its fix
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    monkeypatch.setenv("VLLM_BI_CHUNK_DECODE", "host")
     monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
     monkeypatch.setenv("VLLM_BI_CUDA_OPS", "vllm")
     monkeypatch.setenv("VLLM_BI_MOE", "loop")  # not the CUDA default (triton)
     why = graph_blockers(has_moe=True)
-    assert len(why) == 4 and "use recurrent" in why[0] and "use triton" in why[1] and "MoE" in why[3], why
+    assert len(why) == 4 and "use VLLM_BI_CHUNK_DECODE=padded" in why[0] and "use triton" in why[1] \
+        and "MoE" in why[3], why
     with pytest.raises(BatchInvarianceConfigError, match="cannot capture a decode step with"):
         _check_graphs(_config(experts=8))
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
