@@ -26,7 +26,7 @@ from torch import nn
 
 from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
 from vllm_bi.gdn.layer import gdn_varlen
-from vllm_bi.model_dir import ARCHITECTURES
+from vllm_bi.model_dir import ARCHITECTURES, write_checkpoint
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
@@ -507,20 +507,7 @@ class QwenGDNForCausalLM(nn.Module):
         """Write ``model.safetensors`` (HF names) to ``path``, with config and tokenizer files copied from ``like``.
 
         ``state_dict``: an :meth:`hf_state_dict` already gathered (default: gather it now)."""
-        import shutil
-
-        from safetensors.torch import save_file
-
-        os.makedirs(path, exist_ok=True)
-        for name in os.listdir(like):
-            if not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json"):
-                src = os.path.join(like, name)
-                if os.path.isfile(src):
-                    shutil.copy(src, os.path.join(path, name))
-        state_dict = self.hf_state_dict() if state_dict is None else state_dict
-        save_file({k: v.contiguous() for k, v in state_dict.items()},
-                  os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return path
+        return write_checkpoint(path, self.hf_state_dict() if state_dict is None else state_dict, like)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
                 prompt_lens: list[int] | None = None) -> torch.Tensor:

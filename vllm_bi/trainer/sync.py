@@ -1,194 +1,22 @@
-"""Weight sync into the running server, with versions and a digest check.
+"""The trainer's weight push: :class:`vllm_bi.weight_push.WeightPush` for :class:`~vllm_bi.models.QwenGDNForCausalLM`.
 
-CPU (vLLM 0.32's CPU build has no weight-transfer engine): the trainer writes
-its bf16 weights as an HF checkpoint to ``RUN_DIR/weights/v<version>`` and the
-server loads them in place through ``/collective_rpc reload_weights`` — no
-restart, the engine, its KV cache and its compiled state stay.
-
-Before the first push the trainer's model is checked against the server's (:meth:`WeightSync.check_layout`: the
-architecture, and every tensor's name and shape from the served checkpoint's headers); another model is refused
-in one line before any weight moves.
-
-The swap, in order (the rollout thread holds no request in flight meanwhile): ``/pause?mode=wait`` (drain; new
-requests get 503 + Retry-After until resume) -> label ``<version>-loading`` -> reload -> ``/reset_prefix_cache`` ->
-label ``<version>`` -> ``/resume`` -> digest check. Atomic: a push either completes, or the server returns to the
-last good version (reloaded from its checkpoint on disk, which is kept until a newer push is verified: no second copy
-of the weights in memory), or, when that fails too, stays paused (503 to every client) under a label that names no
-good version, until a good push. Never a hang, never new weights under an old label. :class:`PushFailed` names the
-step that failed and where the server was left.
-
-Cache policy across a swap: nothing computed with old weights is ever reused.
-Every batch is sampled entirely under one version (no request spans a swap), the
-prefix cache is reset at each swap, and every request also carries
-``cache_salt = vllm_bi-v<version>`` so even a failed reset could not make a new
-request hit an old-weight block. Keeping KV across a swap would make a token's
-logprob a mix of two weight versions that no trainer forward can reproduce.
+Each version is the model's bf16 weights under the HF checkpoint names (:meth:`hf_state_dict`, gathered across FSDP2
+ranks) with the base checkpoint's config and tokenizer files (:meth:`save_pretrained`); the order of the swap, its
+atomicity, the cache policy and the digest check are :mod:`vllm_bi.weight_push`'s.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import time
-
-from vllm_bi.client import ServerError, ServerUnreachable
-from vllm_bi.weights import digest_mismatches, weight_digest
+from vllm_bi.weight_push import SWAP_STEPS, ModelMismatch, PushFailed, WeightMismatch, WeightPush
 
 __all__ = ["WeightSync", "WeightMismatch", "PushFailed", "ModelMismatch", "SWAP_STEPS"]
 
-SWAP_STEPS = ("pause", "label", "reload", "reset prefix cache", "set version", "resume", "verify")
 
+class WeightSync(WeightPush):
+    """``WeightSync(client, run_dir, base_model, keep, verify)``; ``push(model, version, state=None)``."""
 
-class WeightMismatch(RuntimeError):
-    """The server does not hold the weights the trainer pushed."""
+    def state_dict(self, model) -> dict:
+        return model.hf_state_dict()
 
-
-class PushFailed(RuntimeError):
-    """A weight push failed at ``step``; the message says where the server was left."""
-
-    def __init__(self, message: str, step: str):
-        super().__init__(message)
-        self.step = step
-
-
-class ModelMismatch(ValueError):
-    """The server serves another model than the trainer's (architecture, tensor names or shapes)."""
-
-
-class WeightSync:
-    def __init__(self, client, run_dir: str, base_model: str, keep: int, verify: bool = True):
-        self.client, self.base_model, self.keep, self.verify = client, base_model, keep, verify
-        self.good: tuple[int, str] | None = None  # the last version the server verifiably held, and its files
-        self._layout_checked = False
-        self._step = SWAP_STEPS[0]  # the swap step in progress (what a failed push names)
-        self.dir = os.path.join(run_dir, "weights")
-        os.makedirs(self.dir, exist_ok=True)
-
-    def path(self, version: int) -> str:
-        return os.path.join(self.dir, f"v{version:06d}")
-
-    def save(self, model, version: int, state: dict | None = None) -> str:
-        final = self.path(version)
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, like=self.base_model, state_dict=state)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        return final
-
-    def push(self, model, version: int, state: dict | None = None) -> dict:
-        """Write ``model``'s weights (``state``: its gathered :meth:`hf_state_dict`) as ``version``, swap them
-        into the server, verify (see the module doc). Returns timings; raises :class:`PushFailed`."""
-        t0 = time.perf_counter()
-        state = model.hf_state_dict() if state is None else state
-        if not self._layout_checked:
-            self.check_layout(state)
-        path = self.save(model, version, state)
-        t1 = time.perf_counter()
-        try:
-            self._swap(path, version, "loading")
-            t2 = time.perf_counter()
-            self._step = "verify"
-            if self.verify:
-                self.check(state, version)
-        except (ServerError, ServerUnreachable, WeightMismatch, OSError) as e:
-            self._recover(version, self._step, e)
-        self.good = (version, path)
-        self.prune(version)
-        return {"time/sync_save_s": t1 - t0, "time/sync_swap_s": t2 - t1, "time/sync_verify_s": time.perf_counter() - t2}
-
-    def _recover(self, version: int, step: str, err: BaseException) -> None:
-        """After a failed push: the server back on the last good version, or paused; raises :class:`PushFailed`."""
-        what = f"weight push of version {version} failed at '{step}' ({(str(err).splitlines() or [type(err).__name__])[0][:800]})"
-        if self.good is None:
-            left = self._close(f"{version}-failed")
-            raise PushFailed(f"{what}; there is no earlier good version to return to, so the server {left} until a "
-                             "good push (rerun the trainer)", step) from None
-        good, path = self.good
-        try:
-            self._swap(path, good, "restoring")
-        except (ServerError, ServerUnreachable, OSError) as e2:
-            left = self._close(f"{version}-failed")
-            raise PushFailed(f"{what}; returning it to version {good} failed too ({str(e2).splitlines()[0][:200]}), "
-                             f"so the server {left} until a good push (rerun the trainer)", step) from None
-        raise PushFailed(f"{what}; the server is back on version {good} (reloaded from {path})", step) from None
-
-    def _swap(self, path: str, version: int, doing: str) -> None:
-        """Load the checkpoint at ``path`` into the paused server as ``version`` (labelled ``<version>-<doing>``
-        meanwhile, so a stop halfway never leaves new weights under an old label), then resume. ``self._step`` names
-        the step in progress (:data:`SWAP_STEPS`)."""
-        calls = (lambda: self.client.pause("wait"),
-                 lambda: self.client.set_weight_version(f"{version}-{doing}"),
-                 lambda: self.client.reload_weights(os.path.abspath(path)),
-                 self.client.reset_prefix_cache,
-                 lambda: self.client.set_weight_version(str(version)),
-                 self.client.resume)
-        for self._step, call in zip(SWAP_STEPS, calls):  # SWAP_STEPS' last, "verify", is the caller's
-            call()
-
-    def _close(self, label: str) -> str:
-        """Leave the server paused under ``label``; returns how it was left, for the error message."""
-        try:
-            self.client.pause("wait")
-            self.client.set_weight_version(label)
-            return f"stays paused (503 + Retry-After to every client) under the label {label!r}"
-        except (ServerError, ServerUnreachable, OSError) as e:
-            return f"could not be reached to pause it ({str(e).splitlines()[0][:200]}) and is in an unknown state"
-
-    def check_layout(self, state: dict) -> None:
-        """Refuse a server whose model differs from the trainer's: architecture, tensor names, shapes."""
-        try:
-            infos = self.client.collective_rpc("vllm_bi_model_layout")
-        except ServerError as e:
-            if e.status in (401, 403):
-                raise
-            infos = None  # a server whose vllm_bi predates the layout call: the digest check remains
-        if not infos or not isinstance(infos[0], dict) or infos[0].get("tensors") is None:
-            self._layout_checked = True  # a server without the checkpoint on its disk: the digest check remains
-            return
-        server = infos[0]
-        import json
-
-        with open(os.path.join(self.base_model, "config.json")) as f:
-            mine_arch = json.load(f).get("architectures")
-        if server["architectures"] != mine_arch:
-            raise ModelMismatch(f"the server serves {server['architectures']} ({server['path']}) but the trainer's "
-                                f"--model {self.base_model} is {mine_arch}: start the server with the trainer's model")
-
-        def skip(name):
-            return name.startswith("mtp.") or ".mtp." in name
-
-        theirs = {k: tuple(v) for k, v in server["tensors"].items() if not skip(k)}
-        mine = {k: tuple(v.shape) for k, v in state.items() if not skip(k)}
-        missing, extra = sorted(theirs.keys() - mine.keys()), sorted(mine.keys() - theirs.keys())
-        shapes = sorted(k for k in theirs.keys() & mine.keys() if theirs[k] != mine[k])
-        if missing or extra or shapes:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} tensors only the server has (e.g. {missing[0]})")
-            if extra:
-                parts.append(f"{len(extra)} only the trainer has (e.g. {extra[0]})")
-            if shapes:
-                parts.append(f"{len(shapes)} of other shapes (e.g. {shapes[0]}: server {list(theirs[shapes[0]])}, "
-                             f"trainer {list(mine[shapes[0]])})")
-            raise ModelMismatch(f"the server's model ({server['path']}) is not the trainer's --model "
-                                f"{self.base_model}: {'; '.join(parts)}. Start the server with the trainer's model")
-        self._layout_checked = True
-
-    def check(self, state: dict, version: int) -> None:
-        server = self.client.weight_digest()
-        mine = weight_digest(state.items())
-        bad = digest_mismatches(server, mine)
-        if bad:
-            raise WeightMismatch(
-                f"after pushing weight version {version}, the server's weights differ from the trainer's in "
-                f"{', '.join(bad)} (server {server.get(bad[0])} vs trainer {mine.get(bad[0])}). Refusing to train "
-                "on samples from weights the trainer does not hold. Is another client loading weights into this "
-                "server, or was it started from another checkpoint?"
-            )
-
-    def prune(self, newest: int) -> None:
-        """Drop weight versions older than the ``keep`` newest (the newest is the last good one)."""
-        for name in os.listdir(self.dir):
-            if name.startswith("v") and name[1:].isdigit() and int(name[1:]) <= newest - self.keep:
-                shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+    def write(self, model, path: str, state: dict) -> None:
+        model.save_pretrained(path, like=self.base_model, state_dict=state)
