@@ -1,6 +1,6 @@
 """The RL loop, the controller: each step takes a batch of rollouts from the live BI server, makes a GRPO/DAPO
 update, pushes the new weights into the server, writes the metrics and, when due, a checkpoint. The pieces live
-in policy.py (the update), rollout.py (sampling and the rollout thread), sync.py (weight pushes, the order and checks of vllm_bi.weight_push),
+in policy.py (the update), rollout.py (sampling and the rollout thread), sync.py (weight pushes),
 checkpoint.py and server.py; this module only orders them.
 
 Threads: a rollout thread samples batch ``b`` as soon as the server's weight
