@@ -19,8 +19,8 @@
   transfer engine; every route of a batch-invariant server with a key needs the key);
 - the weights go to the server through :class:`vllm_bi.integrations.weight_sync.HFWeightSync` where TRL would
   broadcast them (before each generation after an optimizer step, and once before the first, which checks the
-  model's layout): checkpoint, keyed atomic swap, version ``global_step``, digest check; a failure raises
-  :class:`~vllm_bi.weight_push.PushFailed`;
+  model's layout, and after the last step): checkpoint, keyed atomic swap, version ``global_step``, digest check; a
+  failure raises :class:`~vllm_bi.weight_push.PushFailed`;
 - every generation batch logs ``bit_wise/logprob_mismatches`` (completion tokens whose trainer logprob differs from
   the server's in any bit) beside TRL's ``sampling/sampling_logp_difference/max``, and appends both to
   ``trainer.parity``.
@@ -147,6 +147,14 @@ def _build():
             self.vllm_generation.sync_weights = self._bi_push_weights  # where TRL broadcasts over NCCL
             self.weight_pushes: list[dict] = []
             self.parity: list[dict] = []
+
+        def train(self, *args, **kwargs):
+            """TRL's training loop, then the last optimizer step's weights pushed too (TRL pushes before a
+            generation, and none follows the last step): the server ends on the trained weights, verified."""
+            out = super().train(*args, **kwargs)
+            if self.bi_sync.good is None or self.bi_sync.good[0] != self.state.global_step:
+                self._bi_push_weights()
+            return out
 
         def _bi_push_weights(self):
             """Push the model's weights as version ``global_step`` (TRL calls this before a generation whose step
