@@ -48,6 +48,7 @@ def _hf(path):
 def run(tiny_model_path, tmp_path_factory):
     """The example's loop for STEPS steps with the controls' shadows; yields (trainer, server, model_dir, shadows)."""
     from trl import GRPOTrainer
+    from trl.trainer.utils import add_fused_lm_head
 
     from vllm_bi.integrations.transformers import apply, token_logprobs
     from vllm_bi.integrations.trl import BIGRPOTrainer
@@ -56,10 +57,13 @@ def run(tiny_model_path, tmp_path_factory):
     ex = _example()
     model_dir = tiny_model_path("qwen3.5")
     base = apply(_hf(model_dir))
+    stock = _hf(model_dir)  # TRL's stock path: the transformers forward and TRL's fused LM head
+    add_fused_lm_head(stock, temperature=ex.DEFAULTS["temperature"], outputs=("log_probs", "entropy"))
     shadows = []
 
     class WithControls(BIGRPOTrainer):
-        """Also scores every batch with TRL's stock path and with the base weights (no effect on training)."""
+        """Also scores every batch with TRL's stock path (the trainer's current weights) and with the base weights
+        (no effect on training)."""
 
         def _generate_and_score_completions(self, inputs):
             out = super()._generate_and_score_completions(inputs)
@@ -69,9 +73,10 @@ def run(tiny_model_path, tmp_path_factory):
             scored = out["completion_mask"].bool()
             server = out["sampling_per_token_logps"]
             with torch.no_grad():
-                stock = GRPOTrainer._get_per_token_logps_and_entropies(self, self.model, ids, mask, K)[0]
+                stock.load_state_dict(self.model.state_dict())
+                stocks = GRPOTrainer._get_per_token_logps_and_entropies(self, stock, ids, mask, K)[0]
                 based = token_logprobs(base, ids, mask, temperature=self.temperature)[:, -K:]
-            shadows.append({"stock": (stock - server).abs()[scored].max().item(),
+            shadows.append({"stock": (stocks - server).abs()[scored].max().item(),
                             "base": (based - server).abs()[scored].max().item()})
             return out
 
