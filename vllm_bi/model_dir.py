@@ -4,6 +4,7 @@
 server glue serves them batch-invariantly). :func:`read_model_config` reads a directory's ``config.json`` without
 importing torch, so a command refuses a missing directory, a missing or corrupt ``config.json`` or another
 architecture in one line (:class:`~vllm_bi.errors.UsageError`) before it starts a server or loads a model.
+:func:`write_checkpoint` writes a checkpoint of new weights beside another's config and tokenizer (a weight push).
 """
 
 from __future__ import annotations
@@ -59,19 +60,19 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True) 
     return cfg
 
 
-def write_checkpoint(path: str, like: str, tensors: dict) -> str:
-    """Write ``tensors`` (HF checkpoint names -> tensors) as ``path/model.safetensors``, with every other file of the
-    checkpoint directory ``like`` (config, tokenizer) copied beside it. Returns ``path``."""
+def write_checkpoint(path: str, state: dict, like: str) -> str:
+    """Write ``state`` (tensor name -> tensor, the checkpoint's names) as ``path/model.safetensors``, with every other
+    file of the checkpoint directory ``like`` (config, generation config, tokenizer) copied as it is; returns
+    ``path``."""
     import shutil
 
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(like):
-        if not name.endswith(".safetensors") and not name.endswith(".safetensors.index.json"):
-            src = os.path.join(like, name)
-            if os.path.isfile(src):
-                shutil.copy(src, os.path.join(path, name))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"),
+        src = os.path.join(like, name)
+        if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
+            shutil.copy(src, os.path.join(path, name))
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     return path

@@ -219,7 +219,7 @@ class FakeEngine:
     (the server "maps" those tensors) or fails."""
 
     def __init__(self, client, fail=False):
-        from vllm_bi.trainer.sync import _StateSource
+        from vllm_bi.weight_push import _StateSource
 
         self.source, self.client, self.fail = _StateSource(), client, fail
 
@@ -234,7 +234,7 @@ def test_ipc_push_sends_in_memory_in_the_swap_order_and_writes_nothing(tmp_path,
     """``--weight-push ipc``: the same swap with vLLM's engine in place of the reload, nothing under RUN_DIR/weights,
     the digest of what the engine sent; a later failed push cannot go back (no copy kept) and leaves the server
     paused; the engine is set up once."""
-    from vllm_bi.trainer import sync as S
+    from vllm_bi import weight_push as S
 
     client, model = FakeClient(), FakeModel()
     made = []
@@ -260,7 +260,7 @@ def test_ipc_engine_refusal_names_the_server_flags(monkeypatch):
     from vllm.distributed import weight_transfer as W
 
     from vllm_bi.client import ServerError
-    from vllm_bi.trainer.sync import ipc_engine
+    from vllm_bi.weight_push import ipc_engine
 
     def refuse(*a, **k):
         raise ServerError("Weight transfer not configured", 400)

@@ -48,6 +48,7 @@ __all__ = ["Unpadded", "apply", "is_adapted", "token_logprobs", "unpad"]
 
 _WHERE = "vllm_bi.integrations.transformers.apply"
 _TEMPERATURE = "_vllm_bi_temperature"  # the causal LM's private keyword: return next-token logprobs, not logits
+_ENTROPY = "_vllm_bi_entropy"  # with it: (logprobs, entropies)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def is_adapted(model) -> bool:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                   prompt_lens: list[int] | None = None) -> torch.Tensor:
+                   prompt_lens: list[int] | None = None, entropy: bool = False):
     """``[B, L - 1]`` fp32, differentiable: at ``[b, t]`` the adapted ``model``'s logprob of ``input_ids[b, t + 1]``
     given its sequence's tokens up to ``t``, through the server's logprob op (what the server reports for that
     token); 0.0 where ``t + 1`` is padding or starts another packed sequence. Batch forms as for the model's call
@@ -140,12 +141,16 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     whatever a request's temperature: keep 1.0 for it. A server started with ``--logprobs-mode processed_logprobs``
     reports them after vLLM's division of the fp32 logits by the request's temperature: pass that temperature (top-k,
     top-p and penalties are not applied here). ``prompt_lens``: each sequence's prompt length, for
-    ``VLLM_BI_GDN_MODE=hybrid`` (its arithmetic switches at the prompt's last block boundary)."""
+    ``VLLM_BI_GDN_MODE=hybrid`` (its arithmetic switches at the prompt's last block boundary).
+
+    ``entropy``: also return, from the same forward, ``[B, L - 1]`` fp32 without gradient: at ``[b, t]`` the entropy
+    of the next-token distribution at ``t`` (after ``temperature``; 0.0 where the logprob is), for logging and
+    entropy masks (not a quantity the server reports: no parity claim). Returns ``(logprobs, entropies)``."""
     if not is_adapted(model):
         raise UsageError("token_logprobs: the model is not adapted; call "
                          "vllm_bi.integrations.transformers.apply(model) first")
     return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, prompt_lens=prompt_lens,
-                 **{_TEMPERATURE: float(temperature)})
+                 **{_TEMPERATURE: float(temperature), _ENTROPY: bool(entropy)})
 
 
 # ---- apply: checks -------------------------------------------------------------------------------------------------
@@ -334,15 +339,23 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     temperature = kwargs.pop(_TEMPERATURE, None)
+    entropy = kwargs.pop(_ENTROPY, False)
     _refuse_call(self, past_key_values, inputs_embeds, kwargs)
     batch = unpad(input_ids, attention_mask, position_ids)
     hidden = self.model(input_ids, prompt_lens=prompt_lens, _vllm_bi_batch=batch).last_hidden_state
     B, L = batch.shape
     h_T = hidden.reshape(B * L, -1)[batch.index]
     if temperature is not None:  # token_logprobs: every row through the head, the server's logprob op
-        lp = next_token_logprobs(self.lm_head(h_T), batch.input_ids, batch.cu_seqlens, temperature)
-        lp = torch.where(torch.isnan(lp), torch.zeros_like(lp), lp)
-        return batch.pad(lp)[:, :-1].contiguous()
+        logits_TV = self.lm_head(h_T)
+        lp = next_token_logprobs(logits_TV, batch.input_ids, batch.cu_seqlens, temperature)
+        scored = ~torch.isnan(lp)
+        lp = torch.where(scored, lp, torch.zeros_like(lp))
+        if not entropy:
+            return batch.pad(lp)[:, :-1].contiguous()
+        with torch.no_grad():
+            lp_TV = torch.log_softmax(logits_TV.float() / (temperature if temperature >= 1e-5 else 1.0), dim=-1)
+            ent = torch.where(scored, -(lp_TV.exp() * lp_TV).sum(-1), torch.zeros_like(lp))
+        return batch.pad(lp)[:, :-1].contiguous(), batch.pad(ent)[:, :-1].contiguous()
     cols = _kept_columns(logits_to_keep, L, hidden.device)
     K = cols.numel()
     slot = torch.full((L,), -1, dtype=torch.long, device=hidden.device)

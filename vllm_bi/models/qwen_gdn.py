@@ -507,7 +507,7 @@ class QwenGDNForCausalLM(nn.Module):
         """Write ``model.safetensors`` (HF names) to ``path``, with config and tokenizer files copied from ``like``.
 
         ``state_dict``: an :meth:`hf_state_dict` already gathered (default: gather it now)."""
-        return write_checkpoint(path, like, self.hf_state_dict() if state_dict is None else state_dict)
+        return write_checkpoint(path, self.hf_state_dict() if state_dict is None else state_dict, like)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
                 prompt_lens: list[int] | None = None) -> torch.Tensor:
