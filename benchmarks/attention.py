@@ -32,7 +32,8 @@ ROWS = [("decode 1 x ctx 1K", 1, 1, 1024), ("decode 16 x ctx 1K", 16, 1, 1024), 
         ("prefill 1 x 16K", 1, 16384, 16384)]
 TORCH_OP_MAX_ROWS = 4096  # the torch op at 16K query rows takes minutes
 TRAIN_ROWS = [("train 1 x 4K", 1, 4096), ("train 4 x 1K", 4, 1024), ("train 16 x 256", 16, 256)]
-CONFIGS = [(32, 4, 2), (64, 4, 2), (32, 8, 2), (64, 8, 2), (32, 4, 3), (16, 4, 2)]  # BLOCK_N, warps, stages
+CONFIGS = [(64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 2), (128, 32, 4, 2),
+           (128, 64, 8, 3), (256, 32, 8, 2)]  # BLOCK_M, BLOCK_N, warps, stages
 
 
 def paged(n_seqs: int, q_len: int, ctx: int, dev: str):
@@ -129,9 +130,9 @@ def main() -> None:
     args = ap.parse_args()
     import vllm_bi.ops.attention_triton as A
 
-    pin = (A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES)
+    pin = (A.BLOCK_M, A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES)
     lines = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}; attention core at H={H}, Hkv={HKV}, "
-             f"D={D}, cache block {BS}; kernel BLOCK_M {A.BLOCK_M}, BLOCK_N {pin[0]}, {pin[1]} warps, {pin[2]} "
+             f"D={D}, cache block {BS}; kernel BLOCK_M {pin[0]}, BLOCK_N {pin[1]}, {pin[2]} warps, {pin[3]} "
              f"stages; median ms of {args.reps}", "",
              "| shape | SDPA (fused, not BI) | BI Triton kernel | ratio | rows alone == batched | BI torch op | ratio |",
              "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
@@ -164,18 +165,18 @@ def main() -> None:
             flush()
     if not args.no_configs:
         lines += ["", "the kernel's configs (each other bits; the first is the pinned one)", "",
-                  "| BLOCK_N, warps, stages | " + " | ".join(r[0] for r in ROWS) + " |",
+                  "| BLOCK_M, BLOCK_N, warps, stages | " + " | ".join(r[0] for r in ROWS) + " |",
                   "| --- |" + " ---: |" * len(ROWS)]
         print("\n".join(lines[-4:-1]), flush=True)
         for cfg in [pin] + [c for c in CONFIGS if c != pin]:
-            A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = cfg
+            A.BLOCK_M, A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = cfg
             try:
                 cells = [f"{time_server(n, ql, ctx, 'cuda', args.reps, 'triton')[0]:.3f}" for _, n, ql, ctx in ROWS]
             except Exception as e:  # noqa: BLE001 - a config that does not compile (shared memory) is a result
                 cells = [f"fails: {type(e).__name__}"] + [""] * (len(ROWS) - 1)
-            lines.append(f"| {cfg[0]}, {cfg[1]}, {cfg[2]} | " + " | ".join(cells) + " |")
+            lines.append(f"| {', '.join(map(str, cfg))} | " + " | ".join(cells) + " |")
             flush()
-        A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = pin
+        A.BLOCK_M, A.BLOCK_N, A.NUM_WARPS, A.NUM_STAGES = pin
 
 
 if __name__ == "__main__":

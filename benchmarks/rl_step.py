@@ -56,6 +56,13 @@ def table(by_side: dict[str, dict]) -> list[str]:
     return lines
 
 
+def one_side(by_side: dict[str, dict]) -> list[str]:
+    (side, m), = by_side.items()
+    lines = [f"| part (median s per step) | {side} |", "| --- | ---: |"]
+    lines += [f"| {label} | {m[label]:.3f} |" for label, _ in PARTS]
+    return lines + [f"| max logprob gap | {m['max logprob gap']:.3g} |", f"| steps timed | {m['steps timed']} |"]
+
+
 def run_side(side: str, model: str, steps: int, run_root: str, extra: list[str]) -> str:
     run_dir = os.path.join(run_root, side)
     cmd = [sys.executable, "-m", "vllm_bi.trainer", "--model", model, "--arithmetic", side, "--steps", str(steps),
@@ -71,15 +78,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="steps per side; the first is a warm-up")
     ap.add_argument("--run-root", default="runs/rl_step", help="each side's --run-dir goes under it")
     ap.add_argument("--trainer-args", default="", help="more trainer options for both sides (one string)")
+    ap.add_argument("--sides", default=",".join(SIDES), help="which of stock,vllm_bi to run (the table needs both; "
+                    "one side prints that side's medians)")
     ap.add_argument("--out", default="rl_step.md")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be >= 2: the first step of each side is a warm-up")
     extra = shlex.split(args.trainer_args)
+    sides = [s for s in args.sides.split(",") if s]
+    if not sides or any(s not in SIDES for s in sides):
+        ap.error(f"--sides: a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
     by_side = {side: medians(read_rows(run_side(side, args.model, args.steps, args.run_root, extra)))
-               for side in SIDES}
-    text = [f"# RL step, stock vs vllm_bi, {args.model}", "", "command: " + shlex.join([sys.executable, *sys.argv]),
-            "", *table(by_side)]
+               for side in sides}
+    body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)
+    text = [f"# RL step, {' vs '.join(sides)}, {args.model}", "",
+            "command: " + shlex.join([sys.executable, *sys.argv]), "", *body]
     with open(args.out, "w") as f:
         f.write("\n".join(text) + "\n")
     print("\n".join(text))

@@ -31,3 +31,10 @@ def test_table_ratio_is_vllm_bi_over_stock():
     assert "| rollout (generate) | 1.000 | 1.500 | 1.50x |" in text
     assert "| whole step | 5.000 | 5.700 | 1.14x |" in text
     assert "| max logprob gap | 0.01 | 0 | |" in text
+
+
+def test_one_side_table_holds_that_side_only():
+    bi = RS.medians([_row(9, 9, 9, 9, 9), _row(1.5, 2.2, 1, 3, 5.7)])
+    text = "\n".join(RS.one_side({"vllm_bi": bi}))
+    assert "| part (median s per step) | vllm_bi |" in text and "stock" not in text
+    assert "| weight push (save + swap + verify) | 3.000 |" in text and "| steps timed | 1 |" in text

@@ -64,6 +64,37 @@ def test_row_sum_log_softmax_rms_norm_invariant():
     assert float(((row_sum(x[:8]).double() - ref).abs() / ref.abs()).max()) < 1e-4  # fp32 accumulation
 
 
+def _torch_formula_log_softmax(x):
+    """The op library's log-softmax formula in torch ops (ops.softmax.logsumexp), the fused kernel's reference."""
+    from vllm_bi.ops.softmax import logsumexp
+
+    x32 = x.to(torch.float32)
+    return x32 - logsumexp(x32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_log_softmax_has_the_formula_bits(dtype):
+    """ops.softmax.log_softmax on CUDA (one Triton kernel) == the torch formula, bit for bit, at Qwen3.5's
+    248,320-token vocabulary and at an odd width; rows 1 .. 256; a row alone == in the batch; its gradient within
+    1e-5 of float64's. Negative control: torch's own log_softmax differs from the formula in some bits."""
+    g = torch.Generator().manual_seed(3)
+    for n in (248320, 1000):
+        x = (torch.randn(256, n, generator=g) * 4).to(dtype).to(DEV)
+        ref = _torch_formula_log_softmax(x)
+        for m in (1, 7, 64, 256):
+            got = log_softmax(x[:m], -1)
+            assert got.dtype == torch.float32
+            assert torch.equal(got, ref[:m]), (n, m)
+        assert torch.equal(log_softmax(x[5:6], -1), ref[5:6])
+    assert not torch.equal(torch.log_softmax(x.float(), -1), ref), "control: torch's kernel should differ"
+    xg = x[:4].float().requires_grad_(True)
+    w = torch.randn(4, x.shape[1], generator=g).to(DEV)
+    (log_softmax(xg, -1) * w).sum().backward()
+    x64 = x[:4].double().requires_grad_(True)
+    (torch.log_softmax(x64, -1) * w.double()).sum().backward()
+    assert float((xg.grad.double() - x64.grad).abs().max()) < 1e-5
+
+
 def test_attention_row_depends_on_position_only():
     g = torch.Generator().manual_seed(0)
     L, H, Hkv, D = 300, 8, 2, 128

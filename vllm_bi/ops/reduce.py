@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["row_sum", "row_mean", "ROW_BLOCK", "GPU_BLOCK"]
+__all__ = ["row_sum", "row_mean", "ROW_BLOCK", "GPU_BLOCK", "ROW_SUM_WARPS"]
 
 ROW_BLOCK = 4096
 GPU_BLOCK = 1024
+ROW_SUM_WARPS = 4  # with GPU_BLOCK, fixes the tree that sums the lanes (ops.softmax_triton relies on it)
 
 
 def row_sum(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -79,7 +80,7 @@ def triton_row_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(x2.shape[0], dtype=dtype, device=x.device)
     if x2.shape[0]:
         _kernel()[(x2.shape[0],)](x2, out, n, x2.stride(0), BLOCK=GPU_BLOCK, FP64=dtype == torch.float64,
-                                  num_warps=4)
+                                  num_warps=ROW_SUM_WARPS)
     return out.reshape(*lead, 1)
 
 

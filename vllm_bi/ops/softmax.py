@@ -30,10 +30,16 @@ def logsumexp(x32: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """``x - logsumexp(x)`` in fp32 (result cast to ``dtype``, default fp32)."""
+    """``x - logsumexp(x)`` in fp32 (result cast to ``dtype``, default fp32). On CUDA one Triton kernel computes
+    the same formula with the same bits (:mod:`vllm_bi.ops.softmax_triton`)."""
     x, moved = _last_dim(x, dim)
-    x32 = x.to(torch.float32)
-    out = x32 - logsumexp(x32)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        from vllm_bi.ops.softmax_triton import fused_log_softmax
+
+        out = fused_log_softmax(x)
+    else:
+        x32 = x.to(torch.float32)
+        out = x32 - logsumexp(x32)
     if moved:
         out = out.transpose(dim, -1)
     return out.to(dtype or x.dtype)
