@@ -184,6 +184,11 @@ def test_arithmetic_resolves_for_the_device_and_the_diff_names_what_differs():
     assert S.diff(dict(tri, gemm_configs="abc"), tri) == [("gemm_configs", "abc", "none")]
     # a key an older server does not report is not compared
     assert S.diff({"gdn_mode": "recurrent"}, cpu) == []
+    # the log-softmax kernel gives other bits than the torch formula: off by default, named when the sides differ
+    assert cpu["logprobs"] == cuda["logprobs"] == S.LOGPROBS_AUTO_CUDA == "torch"
+    fused = S.Settings.from_env({"VLLM_BI_LOGPROBS": "triton"}).arithmetic("cuda")
+    assert S.diff(fused, cuda) == [("logprobs", "triton", "torch")]
+    assert "set VLLM_BI_LOGPROBS to the same value" in S.describe_diff(fused, cuda)
 
 
 def test_current_is_read_once_and_reload_rereads(monkeypatch):

@@ -64,6 +64,9 @@ GDN_MODE_AUTO_CUDA = "recurrent"
 # How VLLM_BI_CHUNK_DECODE=auto plans the chunk mode's decode steps on CUDA. Both plans give the same bits; a change
 # here changes which kernels CUDA runs, so it lands with a GPU gate run as DEFAULT_PRESET does.
 CHUNK_DECODE_AUTO_CUDA = "host"
+# What VLLM_BI_LOGPROBS=auto runs on CUDA. The Triton kernel's bits differ from the torch formula's on some rows
+# (measured on the H200 at a 248,320-token vocabulary), so a change here changes CUDA's bits, as DEFAULT_PRESET does.
+LOGPROBS_AUTO_CUDA = "torch"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -90,6 +93,10 @@ SETTINGS = (
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
           "the chunk mode's decode steps on CUDA: planned on the host (eager only), or every block padded to 64 rows "
           f"with its indices built on the device (capturable; the same bits); auto: {CHUNK_DECODE_AUTO_CUDA}"),
+    _Spec("logprobs", "auto", ("auto", "torch", "triton"),
+          "log-softmax of the logits (the server's logprobs and the trainer's): the fp32 torch formula, or one Triton "
+          "program per row (CUDA; other bits than the formula's); auto: "
+          f"{LOGPROBS_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
           "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
@@ -103,15 +110,16 @@ SETTINGS = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
     "auto": {},
-    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch"},
+    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch"},
     "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
                   "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION",
-                  "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE"}
+                  "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE", "logprobs": "VLLM_BI_LOGPROBS"}
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
-          "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path"}
+          "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
+          "logprobs": "log-softmax op"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 
@@ -148,6 +156,7 @@ class Settings:
     rowwise: str = "auto"
     moe: str = "auto"
     chunk_decode: str = "auto"
+    logprobs: str = "auto"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False
@@ -211,6 +220,12 @@ class Settings:
         if self.rowwise == "auto":
             return ROWWISE_AUTO_CUDA if device == "cuda" else "torch"
         return self.rowwise
+
+    def logprobs_op(self, device: str) -> str:
+        """The log-softmax's implementation on ``device`` (``torch`` or ``triton``)."""
+        if self.logprobs == "auto":
+            return LOGPROBS_AUTO_CUDA if device == "cuda" else "torch"
+        return self.logprobs
 
     def moe_path(self, device: str) -> str:
         """The MoE experts' path on ``device`` (``loop``, ``exact`` or ``triton``)."""
@@ -286,7 +301,8 @@ class Settings:
         gemm = self.gemm_on(device)
         return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
                 "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none", "attention": self.attention_op(device),
-                "rowwise": self.rowwise_op(device), "moe": self.moe_path(device)}
+                "rowwise": self.rowwise_op(device), "moe": self.moe_path(device),
+                "logprobs": self.logprobs_op(device)}
 
     def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
         """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``

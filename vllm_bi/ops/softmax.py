@@ -22,6 +22,12 @@ def _last_dim(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, bool]:
     return x.transpose(dim, -1), True
 
 
+def _fused_wanted() -> bool:
+    from vllm_bi.settings import current
+
+    return current().logprobs_op("cuda") == "triton"
+
+
 def logsumexp(x32: torch.Tensor) -> torch.Tensor:
     """``log(sum(exp(x)))`` over the last dim of an fp32 tensor, keepdim."""
     m = torch.amax(x32, dim=-1, keepdim=True)
@@ -30,10 +36,10 @@ def logsumexp(x32: torch.Tensor) -> torch.Tensor:
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-    """``x - logsumexp(x)`` in fp32 (result cast to ``dtype``, default fp32). On CUDA one Triton kernel computes
-    the same formula with the same bits (:mod:`vllm_bi.ops.softmax_triton`)."""
+    """``x - logsumexp(x)`` in fp32 (result cast to ``dtype``, default fp32). Under ``VLLM_BI_LOGPROBS=triton`` a
+    CUDA tensor takes one Triton kernel instead (:mod:`vllm_bi.ops.softmax_triton`: the same formula, other bits)."""
     x, moved = _last_dim(x, dim)
-    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and _fused_wanted():
         from vllm_bi.ops.softmax_triton import fused_log_softmax
 
         out = fused_log_softmax(x)

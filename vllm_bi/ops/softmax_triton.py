@@ -1,21 +1,23 @@
-"""Log-softmax over the last dim as one Triton kernel on CUDA, with the bits of the op library's torch formula.
+"""Log-softmax over the last dim as one Triton kernel: the CUDA path of :func:`vllm_bi.ops.softmax.log_softmax`
+under ``VLLM_BI_LOGPROBS=triton`` (off by default).
 
-:func:`vllm_bi.ops.softmax.log_softmax` computes, per row of fp32 values ``x``::
+It computes the op library's formula, per row of fp32 values ``x``::
 
     m   = max(x)                       (0 where the max is not finite)
-    s   = row_sum(exp(x - m))          (ops.reduce: GPU_BLOCK lanes, each adding its columns in order, then one tree)
+    s   = sum(exp(x - m))              (GPU_BLOCK lanes, each adding its columns in order, then one tree)
     out = x - (m + log(s))
 
-On CUDA that is seven kernels and eight passes over the logits (the fp32 copy, the max, the difference, ``exp``,
-the sum, the output). :func:`fused_log_softmax` does the same arithmetic in one program per row and three passes:
-the max (exact in any order), the lanes' sums in :func:`vllm_bi.ops.reduce.row_sum`'s order and its tree (the
-same block of lanes, the same warps), and the output. ``exp`` and ``log`` are libdevice's ``expf`` and ``logf``,
-the functions torch's CUDA kernels call. The input is read in its own dtype (bf16 logits: 2 bytes per element per
-pass) and widened to fp32 in registers, exactly as ``x.to(torch.float32)`` would.
+On CUDA the torch formula is seven kernels and eight passes over the logits (the fp32 copy, the max, the
+difference, ``exp``, the sum, the output); this kernel is one program per row and three passes (the max, the
+lanes' sums, the output), reading the input in its own dtype and widening it to fp32 in registers. ``exp`` and
+``log`` are libdevice's ``expf`` and ``logf``.
 
-So the result equals the torch formula bit for bit (``tests/gpu/test_ops_cuda.py`` checks it on the GPU at a
-248,320-token vocabulary, 1 to 256 rows, bf16 and fp32 inputs); a row's bits do not depend on the batch (one
-program per row, nothing shared). The backward is the analytic one in torch (gradients need accuracy, not bits).
+Batch invariance holds by construction: one program per row, nothing shared, and nothing but the row length reaches
+the kernel's configuration. Its bits are not the torch formula's: on the H200, at a 248,320-token vocabulary, fp32
+input gave the formula's bits but bf16 input differed on some of 256 rows (the order in which ``tl.sum`` adds the
+lanes follows the block's register layout, which the load of a 2-byte dtype may change; not confirmed). Server and
+trainer must therefore agree on the setting (it is part of :meth:`vllm_bi.settings.Settings.arithmetic`). The
+backward is the analytic one in torch (gradients need accuracy, not bits).
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ class _FusedLogSoftmax(torch.autograd.Function):
 
 
 def fused_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax over the last dim of a CUDA tensor (bf16, fp16 or fp32): the bits of
-    :func:`vllm_bi.ops.softmax.log_softmax`'s formula (module doc). Differentiable."""
+    """fp32 log-softmax over the last dim of a CUDA tensor (bf16, fp16 or fp32), one program per row (module doc).
+    Differentiable."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NotImplementedError(f"vllm_bi fused log-softmax: input dtype {x.dtype} (bf16, fp16 or fp32)")
     return _FusedLogSoftmax.apply(x)
