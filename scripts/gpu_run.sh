@@ -96,7 +96,15 @@ half_tilelang() {
   ls "$SITE"/.installed.part4.* >/dev/null 2>&1 && ! ls "$SITE"/.installed.part5.* >/dev/null 2>&1
 }
 
-[ "${VLLM_BI_NO_INSTALL:-0}" = 1 ] || { install_all; restore_caches; }
+if [ "${VLLM_BI_NO_INSTALL:-0}" = 1 ]; then
+  if ! ls "$SITE"/.installed.part* >/dev/null 2>&1 && [ "$*" != install ]; then
+    echo "ERROR: VLLM_BI_NO_INSTALL=1 but nothing is installed in $SITE (a fresh machine): run without" \
+         "VLLM_BI_NO_INSTALL, carrying .gpu_bundle" >&2
+    exit 2
+  fi
+else
+  install_all; restore_caches
+fi
 env_setup
 [ $# -eq 0 ] && set -- install
 if half_tilelang && [ "$*" != install ]; then

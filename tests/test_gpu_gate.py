@@ -115,3 +115,15 @@ def test_a_gate_split_over_calls_is_combined_only_at_the_same_sources(tmp_path):
     r = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--combine", str(tmp_path / "base.json"),
                         str(tmp_path / "gate.jsonl")], capture_output=True, text=True)
     assert r.returncode == 2 and "other CUDA sources" in r.stderr and not (tmp_path / "gpu-gate.json").exists()
+
+
+def test_gpu_run_refuses_to_skip_the_install_on_a_fresh_machine(tmp_path):
+    """``VLLM_BI_NO_INSTALL=1`` on a machine with nothing staged would run every job without vLLM: one line, exit 2."""
+    import subprocess
+
+    env = {**os.environ, "VLLM_BI_SITE": str(tmp_path / "site"), "VLLM_BI_NO_INSTALL": "1", "OUT": str(tmp_path)}
+    p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_run.sh"), "check"], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert "VLLM_BI_NO_INSTALL=1 but nothing is installed" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "check.log").exists()

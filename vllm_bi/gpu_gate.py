@@ -39,6 +39,8 @@ CUDA_SOURCES = (
     "vllm_bi/ops/moe_triton.py",
     "vllm_bi/ops/reduce.py",
     "vllm_bi/ops/rows_triton.py",
+    "vllm_bi/ops/softmax.py",
+    "vllm_bi/ops/softmax_triton.py",
     "vllm_bi/patch/aten_overrides.py",
     "vllm_bi/patch/cpu_layers.py",
     "vllm_bi/patch/cuda_moe.py",

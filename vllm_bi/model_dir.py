@@ -14,7 +14,7 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["ARCHITECTURES", "read_model_config", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "write_checkpoint"]
 
 # config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
 ARCHITECTURES = {
@@ -60,19 +60,25 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True) 
     return cfg
 
 
-def write_checkpoint(path: str, state: dict, like: str) -> str:
-    """Write ``state`` (tensor name -> tensor, the checkpoint's names) as ``path/model.safetensors``, with every other
-    file of the checkpoint directory ``like`` (config, generation config, tokenizer) copied as it is; returns
-    ``path``."""
+def copy_checkpoint_files(like: str, path: str) -> None:
+    """Copy every file of the checkpoint directory ``like`` but its weights (config, generation config, tokenizer)
+    into ``path`` (made if missing), over what is there."""
     import shutil
-
-    from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(like):
         src = os.path.join(like, name)
         if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json", ".bin")):
             shutil.copy(src, os.path.join(path, name))
+
+
+def write_checkpoint(path: str, state: dict, like: str) -> str:
+    """Write ``state`` (tensor name -> tensor, the checkpoint's names) as ``path/model.safetensors``, with every other
+    file of the checkpoint directory ``like`` (config, generation config, tokenizer) copied as it is; returns
+    ``path``."""
+    from safetensors.torch import save_file
+
+    copy_checkpoint_files(like, path)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     return path

@@ -11,8 +11,6 @@ says by how much); nothing here claims parity. :class:`StockModel` gives that mo
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -61,11 +59,8 @@ class StockModel(nn.Module):
     def save_pretrained(self, path: str, like: str, state_dict: dict | None = None) -> str:
         """transformers' own save (it writes the checkpoint's tensor names back, e.g. one tensor per MoE expert),
         then every non-weight file of ``like`` over it, so the server reads the config it was started with."""
-        import shutil
+        from vllm_bi.model_dir import copy_checkpoint_files
 
         self.hf.save_pretrained(path)
-        for name in os.listdir(like):
-            src = os.path.join(like, name)
-            if os.path.isfile(src) and not name.endswith((".safetensors", ".safetensors.index.json")):
-                shutil.copy(src, os.path.join(path, name))
+        copy_checkpoint_files(like, path)
         return path
