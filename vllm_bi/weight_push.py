@@ -149,8 +149,9 @@ class WeightPush:
         try:
             self._swap(path, good, "restoring")
         except (ServerError, ServerUnreachable, OSError) as e2:
-            left = self._close(f"{version}-failed")
-            raise PushFailed(f"{what}; returning it to version {good} failed too ({str(e2).splitlines()[0][:200]}), "
+            left = self._close(f"{version}-failed", seen=err)
+            why = _new_part(e2, err)
+            raise PushFailed(f"{what}; returning it to version {good} failed too ({why}), "
                              f"so the server {left} until a good push (rerun the trainer)", step) from None
         raise PushFailed(f"{what}; the server is back on version {good} (reloaded from {path})", step) from None
 
@@ -178,14 +179,17 @@ class WeightPush:
         finally:
             self._engine.source.state = {}
 
-    def _close(self, label: str) -> str:
-        """Leave the server paused under ``label``; returns how it was left, for the error message."""
+    def _close(self, label: str, seen: BaseException | None = None) -> str:
+        """Leave the server paused under ``label``; returns how it was left, for the error message (``seen``: the
+        error already named there, not repeated)."""
         try:
             self.client.pause("wait")
             self.client.set_weight_version(label)
             return f"stays paused (503 + Retry-After to every client) under the label {label!r}"
         except (ServerError, ServerUnreachable, OSError) as e:
-            return f"could not be reached to pause it ({str(e).splitlines()[0][:200]}) and is in an unknown state"
+            if isinstance(e, ServerUnreachable) and isinstance(seen, ServerUnreachable):
+                return "did not answer a pause either and is in an unknown state"
+            return f"could not be reached to pause it ({_new_part(e, seen)}) and is in an unknown state"
 
     def check_layout(self, state: dict) -> None:
         """Refuse a server whose model differs from the trainer's: architecture, tensor names, shapes."""
@@ -273,3 +277,15 @@ def ipc_engine(client):
         raise PushFailed(f"the server has no CUDA IPC weight transfer ({str(e).splitlines()[0][:300]}): start it with "
                          "--weight-transfer-config '{\"backend\": \"ipc\"}' and VLLM_ALLOW_INSECURE_SERIALIZATION=1, "
                          "or use --weight-push files", "reload") from None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [type(err).__name__])[0]
+
+
+def _new_part(err: BaseException, seen: BaseException | None) -> str:
+    """``err`` for a message that already names ``seen``: an unreachable server or the same error is not said twice."""
+    if seen is not None and (_first_line(err) == _first_line(seen)
+                             or isinstance(err, ServerUnreachable) and isinstance(seen, ServerUnreachable)):
+        return "the server did not answer" if isinstance(err, ServerUnreachable) else "the same error"
+    return _first_line(err)[:200]

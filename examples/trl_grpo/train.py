@@ -77,9 +77,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
+    p.add_argument("--prompts-per-step", type=int, default=DEFAULTS["prompts_per_step"])
+    p.add_argument("--group-size", type=int, default=DEFAULTS["group_size"], help="samples per prompt")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--family", default="qwen3.5", choices=("qwen3.5", "qwen3.5-moe", "qwen3-next"))
     p.add_argument("--run-dir", default="runs/trl_grpo")
     a = p.parse_args()
+    for name in ("steps", "prompts_per_step", "group_size"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.group_size < 2:
+        p.error("--group-size must be at least 2: GRPO's advantage is a sample's reward against its group's")
+    if not a.lr > 0:
+        p.error(f"--lr must be > 0, got {a.lr}")
     os.environ.setdefault("VLLM_BATCH_INVARIANT", "1")  # this process's arithmetic settings: the server's
     from vllm_bi.launcher import VllmServer, cpu_env
     from vllm_bi.tiny_models import build_tiny_model
@@ -87,7 +97,8 @@ def main() -> None:
     model_dir = build_tiny_model(a.family, os.path.join(a.run_dir, f"model-{a.family}"))
     env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
     with VllmServer(model_dir, env=env, args=SERVER_ARGS, log_path=os.path.join(a.run_dir, "server.log")) as srv:
-        trainer = train(model_dir, srv, a.run_dir, steps=a.steps, lr=a.lr)
+        trainer = train(model_dir, srv, a.run_dir, steps=a.steps, lr=a.lr, prompts_per_step=a.prompts_per_step,
+                        group_size=a.group_size, seed=a.seed)
         print(f"{'step':>4} {'max |trainer - server| logprob':>31} {'tokens differing':>17} {'reward':>7}")
         for r in steps_table(trainer):
             print(f"{r['step']:>4} {r['logprob_diff_max']:>31} {int(r['mismatched_tokens']):>17} {r['reward']:>7.3f}")

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from vllm_bi.client import ServerUnreachable
 from vllm_bi.trainer.sync import SWAP_STEPS, ModelMismatch, PushFailed, WeightSync
 from vllm_bi.weights import weight_digest
 
@@ -162,6 +163,22 @@ def test_when_the_restore_fails_too_the_server_stays_paused(tmp_path):
                                          r"\(503"):
         sync.push(FakeModel(scale=2.0), 2)
     assert client.calls[-2:] == [("pause", "wait"), ("set_weight_version", "2-failed")]
+
+
+def test_a_server_gone_mid_push_is_named_once_and_left_in_an_unknown_state(tmp_path):
+    client = FakeClient()
+    sync = WeightSync(client, str(tmp_path), "base", keep=3)
+    sync.push(FakeModel(), 1)
+
+    def gone(*args, **kwargs):
+        raise ServerUnreachable("vLLM server at http://127.0.0.1:1 unreachable (/pause): connection refused")
+
+    client.pause = client.reload_weights = client.set_weight_version = gone
+    with pytest.raises(PushFailed) as e:
+        sync.push(FakeModel(scale=2.0), 2)
+    msg = str(e.value)
+    assert msg.startswith("weight push of version 2 failed at 'pause' (vLLM server at http://127.0.0.1:1 "), msg
+    assert msg.count("unreachable") == 1 and "unknown state" in msg and "returning it to version 1 failed" in msg, msg
 
 
 def test_another_model_is_refused_before_any_weight_moves(tmp_path):
