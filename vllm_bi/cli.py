@@ -325,7 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--api-key", default=None,
                     help="the --server's API key (default: VLLM_API_KEY); a server this command starts gets a key "
                     "made for the run")
-    pa.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": "..."} per line (default: 8 built-in)')
+    pa.add_argument("--prompts", default=None, help='JSONL file, one {"prompt": "..."} per line (default: 8 built-in); '
+                    'a line with "tools": ["...", ...] is a multi-turn prompt: after each model turn the next tool '
+                    'output, each turn a new request on the conversation\'s token ids; its model tokens are compared')
     pa.add_argument("--n", type=_int(1), default=4, help="samples per prompt (default 4)")
     pa.add_argument("--max-tokens", type=_int(1), default=32, help="tokens per sample (default 32)")
     pa.add_argument("--seed", type=_int(0), default=0, help="base sampling seed (default 0)")

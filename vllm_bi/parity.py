@@ -37,16 +37,52 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def load_prompts(path: str | None) -> list[str]:
+def load_prompts(path: str | None) -> list[str | dict]:
     """The prompts of the JSONL file at ``path`` (:func:`vllm_bi.prompts.read_jsonl`), or the built-in ones; a
-    missing or bad file raises :class:`~vllm_bi.errors.UsageError` naming it."""
+    missing or bad file raises :class:`~vllm_bi.errors.UsageError` naming it. A line with ``"tools"`` (a list of
+    strings: the tool's output after each model turn) is a multi-turn prompt, returned as ``{"prompt", "tools"}``;
+    the others as their prompt string."""
     if path is None:
         return list(DEFAULT_PROMPTS)
     from vllm_bi.prompts import read_jsonl
 
     if not os.path.isfile(path):
         raise UsageError(f"--prompts {path}: no such file; give a JSONL file with one {{\"prompt\": ...}} per line")
-    return [row["prompt"] for row in read_jsonl(path)]
+    out = []
+    for i, row in enumerate(read_jsonl(path), 1):
+        tools = row.get("tools")
+        if tools is None:
+            out.append(row["prompt"])
+            continue
+        if not isinstance(tools, list) or not tools or not all(isinstance(t, str) and t for t in tools):
+            raise UsageError(f"--prompts {path}: example {i}: \"tools\" must be a non-empty list of non-empty "
+                             "strings (the tool's output after each model turn)")
+        out.append({"prompt": row["prompt"], "tools": list(tools)})
+    return out
+
+
+def _fixed_tools(example: dict, turns: list[dict]):
+    """The environment of a multi-turn prompt file: the example's ``tools`` in order, then the end."""
+    k = sum(t["role"] == "model" for t in turns) - 1
+    return example["tools"][k] if k < len(example["tools"]) else None
+
+
+def _sample_multiturn(srv, model: str, prompts: list, reqs: list[dict], n: int) -> list:
+    """Every request of ``reqs`` (``n`` per prompt) as a trajectory: a model turn, then each of its prompt's
+    ``tools`` outputs followed by another model turn (:mod:`vllm_bi.trajectories`: token ids in, each turn a new
+    request on the conversation). A plain prompt is a one-turn trajectory."""
+    from transformers import AutoTokenizer
+
+    from vllm_bi.gdn.chunk import gdn_mode
+    from vllm_bi.trajectories import refuse_hybrid, rollout_trajectories
+
+    refuse_hybrid(gdn_mode())
+    tok = AutoTokenizer.from_pretrained(model)
+    examples = [p if isinstance(p, dict) else {"prompt": p, "tools": []} for p in prompts for _ in range(n)]
+    for r, ex in zip(reqs, examples):
+        r["prompt_ids"] = tok(ex["prompt"], add_special_tokens=False)["input_ids"]
+    turns = 1 + max(len(ex["tools"]) for ex in examples)
+    return rollout_trajectories(srv, tok, reqs, examples, _fixed_tools, turns)
 
 
 @dataclass
@@ -302,6 +338,7 @@ def run_parity(
 
     check_inputs(model, trainer, trainer_model, n, max_tokens, trainer_device)
     prompts = prompts or list(DEFAULT_PROMPTS)
+    multi = any(isinstance(p, dict) for p in prompts)
     reqs = [
         dict(prompt_ids=p, max_tokens=max_tokens, temperature=temperature, seed=seed + 1000 * pi + k)
         for pi, p in enumerate(prompts)
@@ -310,8 +347,9 @@ def run_parity(
 
     def sample(srv):
         log(f"sampling {len(reqs)} completions ({len(prompts)} prompts x n={n}, {max_tokens} tokens, "
-            f"T={temperature}) from {srv.url}, all in flight at once")
-        return srv.complete_many(reqs)
+            f"T={temperature}) from {srv.url}, all in flight at once"
+            + (" per turn (multi-turn: each turn a new request on the conversation's token ids)" if multi else ""))
+        return _sample_multiturn(srv, model, prompts, reqs, n) if multi else srv.complete_many(reqs)
 
     info = None
     if server_url:
@@ -345,6 +383,8 @@ def run_parity(
     max_d = sum_d = 0.0
     first = None
     for si, (c, got) in enumerate(zip(completions, mine)):
+        if getattr(c, "mask", None) is not None:  # a trajectory: the model's tokens only (tool tokens have none)
+            got = [g for g, m in zip(got, c.mask) if m]
         for pos, (a, b) in enumerate(zip(c.logprobs, got)):
             tokens += 1
             d = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf

@@ -51,6 +51,7 @@ def train(model_dir: str, server, output_dir: str, trainer_cls=None, **overrides
         use_cpu=True, bf16=False, gradient_checkpointing=False,
         use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60,
         vllm_importance_sampling_correction=True,
+        router_aux_loss_coef=0.0,  # MoE families: the adapted model does not compute the load-balancing loss
         logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
@@ -73,7 +74,7 @@ def steps_table(trainer) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"])
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"])
@@ -103,7 +104,12 @@ def main() -> None:
         for r in steps_table(trainer):
             print(f"{r['step']:>4} {r['logprob_diff_max']:>31} {int(r['mismatched_tokens']):>17} {r['reward']:>7.3f}")
         print(f"server weight version {srv.weight_version()} (digest verified after every push)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from vllm_bi.errors import run_command
+
+    sys.exit(run_command("train.py", main))  # a vllm_bi error: one line and its exit status, no traceback

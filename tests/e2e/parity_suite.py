@@ -122,3 +122,27 @@ def check_p4_hf(model_path: str, label: str, *results) -> int:
         "cannot fail here"
     )
     return n
+
+
+def check_multiturn(model_path: str, label: str, run) -> int:
+    """A multi-turn trajectory (``scenarios.run_multiturn``): every turn after the first hit the prefix cache, and
+    the trainer's one forward over the whole trajectory gives every model token the server's logprob, bit for bit
+    (``policy.completion_logprobs``: tool tokens masked out). Negative control: transformers' own model (the
+    trainer's ``--arithmetic stock``) on the same trajectory differs. Returns the number of model tokens compared."""
+    import torch
+
+    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+    from vllm_bi.trainer.policy import completion_logprobs
+    from vllm_bi.trainer.rollout import Sample
+    from vllm_bi.trainer.stock import StockModel
+
+    t = run.trajectory
+    assert t.model_turns == len(run.hits) >= 3 and len(t.logprobs) == sum(t.mask) == 16 * t.model_turns, label
+    assert all(h > 0 for h in run.hits[1:]), f"{label}: a later turn did not hit the prefix cache: {run.hits}"
+    s = Sample(0, "", t.prompt_ids, t.ids, t.logprobs, t.text, mask=t.mask, turns=t.model_turns)
+    with torch.no_grad():
+        (got,), _ = completion_logprobs(QwenGDNForCausalLM.from_pretrained(model_path), [s])
+        (stock,), _ = completion_logprobs(StockModel.from_pretrained(model_path), [s])
+    n = _count_equal([s], [got.tolist()], f"{label}: multi-turn trainer vs server", "trainer")
+    assert stock.tolist() != t.logprobs, f"{label}: transformers' own model matched the server: the check cannot fail"
+    return n

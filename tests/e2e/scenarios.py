@@ -96,3 +96,37 @@ def describe_diff(a: Completion, b: Completion) -> str:
     first = next((i for i in range(n) if a.logprobs[i] != b.logprobs[i] or a.token_ids[i] != b.token_ids[i]), None)
     md = max((abs(x - y) for x, y in zip(a.logprobs[:n], b.logprobs[:n])), default=0.0)
     return f"{eq}/{n} logprobs equal, first mismatch at {first}, max |diff| {md:.3g}, tokens same: {a.token_ids == b.token_ids}"
+
+
+@dataclass
+class MultiTurn:
+    trajectory: object  # vllm_bi.trajectories.Trajectory
+    hits: list[float]  # prefix-cache hits counted during each turn's request
+
+
+def run_multiturn(srv: VllmServer, model_path: str, turns: int = 3, prefix_len: int = 700, vocab: int = 1024,
+                  seed: int = 0) -> MultiTurn:
+    """One trajectory of ``turns`` model turns through the trainer's multi-turn rollout: a ``prefix_len``-token
+    prompt, 16 sampled tokens per turn, a tool output of 23 token ids after each turn but the last; the prefix-cache
+    hits of each turn's request (a later turn's prompt is the conversation so far, so it should hit)."""
+    from transformers import AutoTokenizer
+
+    from vllm_bi.trajectories import rollout_trajectories
+
+    rng = random.Random(seed)
+    prompt, tools = _ids(rng, prefix_len, vocab), [_ids(rng, 23, vocab) for _ in range(turns - 1)]
+    hits: list[float] = []
+
+    class Counting:  # the server, counting each turn's prefix-cache hits
+        def complete_many(self, reqs):
+            h0 = srv.metric_sum("vllm:prefix_cache_hits_total")
+            out = srv.complete_many(reqs)
+            hits.append(srv.metric_sum("vllm:prefix_cache_hits_total") - h0)
+            return out
+
+    def env(example, so_far):
+        return tools[sum(t["role"] == "model" for t in so_far) - 1]
+
+    req = dict(prompt_ids=prompt, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed + 77, ignore_eos=True)
+    (traj,) = rollout_trajectories(Counting(), AutoTokenizer.from_pretrained(model_path), [req], [{}], env, turns)
+    return MultiTurn(traj, hits)

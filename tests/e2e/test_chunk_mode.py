@@ -14,6 +14,8 @@ block, all in one busy batch.
 import random
 
 import pytest
+from parity_suite import check_multiturn
+from scenarios import run_multiturn
 
 from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.tiny_models import corpus
@@ -146,3 +148,12 @@ def test_prefix_cache_hit_keeps_trainer_parity(served, monkeypatch):
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
     (got,) = trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model), [b], pack=1)
     assert got == b.logprobs
+
+
+def test_multiturn_trajectory_parity_with_prefix_hits(served, monkeypatch):
+    """Three model turns with tool outputs between them on the chunk-mode server (prefix-cache hits restore a
+    boundary state and the raw rows after it): the trainer in the chunk mode equals every model token's logprob."""
+    model, srv, _, _, _ = served
+    run = run_multiturn(srv, model, seed=5)
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")
+    assert check_multiturn(model, "qwen3.5 chunk", run) == 48

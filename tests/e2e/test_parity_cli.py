@@ -67,3 +67,24 @@ def test_parity_rejects_bad_prompt_file(server, tmp_path):
     r = _parity("--model", model, "--server", url, "--prompts", str(f))
     assert r.returncode == 2 and "expected an object with a string \"prompt\" field" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_parity_on_multiturn_prompts(server, tmp_path):
+    """A prompts file with tool outputs: each sample is a trajectory of model turns with the file's tool outputs
+    between them, each turn a new request on the conversation's token ids; every model token's logprob equals the
+    trainer's one forward over the trajectory. Control: transformers' own model fails on the same file."""
+    model, url = server
+    f = tmp_path / "turns.jsonl"
+    f.write_text(json.dumps({"prompt": "the quick red fox ran over the river and", "tools": [" tool: ok.", " two"]})
+                 + "\n" + json.dumps({"prompt": "one two three", "tools": [" result: 7"]}) + "\n")
+    r = _parity("--model", model, "--server", url, "--prompts", str(f), "--n", "2", "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert rep["sequences"] == 4 and rep["tokens"] == (2 * 3 + 2 * 2) * 8 == rep["bitwise_equal"]
+    assert "multi-turn" in r.stderr
+    r = _parity("--model", model, "--server", url, "--prompts", str(f), "--n", "1", "--max-tokens", "8",
+                "--trainer", "hf")
+    assert r.returncode == 1 and "FAIL" in r.stdout, r.stdout + r.stderr[-2000:]
+    f.write_text(json.dumps({"prompt": "x", "tools": "not a list"}) + "\n")
+    r = _parity("--model", model, "--server", url, "--prompts", str(f))
+    assert r.returncode == 2 and "\"tools\" must be a non-empty list" in r.stderr and "Traceback" not in r.stderr

@@ -7,8 +7,8 @@ on the CPU build, see vllm_bi/model_executor/models/qwen3_5_text.py.)
 """
 
 import pytest
-from parity_suite import check_p1, check_p2, check_p3, hf_reference_check
-from scenarios import GREEDY, SEEDED, make_prompts, run_scenarios
+from parity_suite import check_multiturn, check_p1, check_p2, check_p3, hf_reference_check
+from scenarios import GREEDY, SEEDED, make_prompts, run_multiturn, run_scenarios
 
 from vllm_bi.launcher import VllmServer
 
@@ -26,6 +26,7 @@ def runs(request, tiny_model_path):
     out = {"family": request.param, "model": model}
     with VllmServer(model, args=SMALL) as srv:
         out["bi_small"] = run_scenarios(srv, prompts, MODES)
+        out["multiturn"] = run_multiturn(srv, model)
     with VllmServer(model, args=LARGE) as srv:
         out["bi_large"] = run_scenarios(srv, prompts, MODES, busy=False)
     return out
@@ -59,3 +60,9 @@ def test_p4_transformers_adapter_equals_server(runs):
     from parity_suite import check_p4_hf
 
     assert check_p4_hf(runs["model"], runs["family"], runs["bi_small"]) >= 100
+
+
+def test_multiturn_trajectory_parity_with_prefix_hits(runs):
+    """Three model turns with tool outputs between them, each turn a new request on the conversation's token ids
+    (prefix-cache hits): the trainer's one forward over the trajectory equals every model token's served logprob."""
+    assert check_multiturn(runs["model"], f"{runs['family']} recurrent", runs["multiturn"]) == 48

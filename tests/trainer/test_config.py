@@ -24,7 +24,7 @@ def test_help_documents_every_option():
     assert "--settings" not in out  # vllm_bi's settings come from a recipe's [settings] or the environment
 
 
-@pytest.mark.parametrize("recipe", ["digits.toml", "digits_async.toml", "jsonl_contains.toml"])
+@pytest.mark.parametrize("recipe", ["digits.toml", "digits_async.toml", "jsonl_contains.toml", "tool_digits.toml"])
 def test_recipes_parse(recipe):
     values = load_recipe(f"{REPO}/trainer/{recipe}")
     assert values["steps"] >= 1

@@ -173,7 +173,8 @@ def _build():
                                  ", ".join(k for k, v in multimodal.items() if v is not None) + ")")
             if compute_aux_loss:
                 raise UsageError("BIGRPOTrainer: the MoE load-balancing loss is not computed by the adapted model; "
-                                 "leave the model config's output_router_logits off")
+                                 "pass GRPOConfig(router_aux_loss_coef=0.0) (TRL adds that loss for a MoE model "
+                                 "whose config declares a coefficient)")
             model = self.accelerator.unwrap_model(model)
             if not is_adapted(model):
                 raise UsageError("BIGRPOTrainer: the model was replaced after the trainer adapted it")

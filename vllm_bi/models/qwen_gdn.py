@@ -525,10 +525,11 @@ class QwenGDNForCausalLM(nn.Module):
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
         return next_token_logprobs(self(input_ids, cu), input_ids, cu)
 
-    def completion_logprobs(self, pairs, entropy: bool = False) -> tuple[list[torch.Tensor], float]:
+    def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
         """Pack ``pairs`` of (prompt ids, completion ids) into one forward. Returns each completion's
         per-token logprobs (fp32, on the model's device, differentiable) and, with ``entropy``, the
-        entropy summed over those positions (no grad; 0.0 otherwise)."""
+        entropy summed over those positions (no grad; 0.0 otherwise). ``masks``: per pair None or one bool per
+        completion token (False: a tool's token in a multi-turn trajectory), the positions the entropy counts."""
         dev = next(self.parameters()).device
         cu = [0]
         for p, c in pairs:
@@ -542,5 +543,8 @@ class QwenGDNForCausalLM(nn.Module):
         if entropy:
             with torch.no_grad():
                 sel = lp[rows]
+                if masks is not None and any(m is not None for m in masks):
+                    keep = [b for (_, c), m in zip(pairs, masks) for b in (m if m is not None else [True] * len(c))]
+                    sel = sel[torch.tensor(keep, device=dev)]
                 ent = float(-(sel.exp() * sel).sum())
         return list(tok_lp.split([len(c) for _, c in pairs])), ent

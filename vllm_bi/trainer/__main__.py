@@ -25,13 +25,18 @@ def _check_server_url(cfg: TrainerConfig) -> None:
 
 def _check_inputs(cfg: TrainerConfig) -> None:
     """What the run needs from the user, before a model is built or a server started: the ``VLLM_BI_*`` settings,
-    --task (a missing file, a bad line) and --reward (one that does not import)."""
+    --task (a missing file, a bad line), --reward and --env (one that does not import)."""
     from vllm_bi.settings import Settings
     from vllm_bi.trainer.data import make_source
     from vllm_bi.trainer.rewards import get_reward
 
     Settings.from_env()  # the recipe's [settings] were checked when it was read
-    get_reward(cfg.reward or make_source(cfg.task, cfg.seed).default_reward)
+    source = make_source(cfg.task, cfg.seed)
+    get_reward(cfg.reward or source.default_reward)
+    if cfg.env or getattr(source, "env", ""):  # multi-turn: an --env that does not import is refused here too
+        from vllm_bi.trainer.multiturn import get_env
+
+        get_env(cfg.env or source.env)
 
 
 def _explain(e: BaseException) -> UserError | None:

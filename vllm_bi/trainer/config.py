@@ -50,10 +50,18 @@ class TrainerConfig:
                           "Never written to RUN_DIR", secret=True)
     run_dir: str = _f("runs/digits", "output folder: metrics.jsonl, tb/ (TensorBoard), checkpoint/, weights/, logs")
     # ---- data and reward
-    task: str = _f("digits", "built-in task name (digits) or a JSONL file with one {\"prompt\": ..., ...} per line")
-    reward: str = _f("", "reward function: a built-in name (digits, exact_match, contains) or a dotted path "
-                         "'package.module:function' taking (prompt, completion, example) -> float. "
-                         "Empty: the task's own reward (digits for the digits task, exact_match for JSONL)")
+    task: str = _f("digits", "built-in task name (digits; tool_digits: multi-turn) or a JSONL file with one "
+                             "{\"prompt\": ..., ...} per line")
+    reward: str = _f("", "reward function: a built-in name (digits, exact_match, contains, tool_digits) or a dotted "
+                         "path 'package.module:function' taking (prompt, completion, example) -> float. "
+                         "Empty: the task's own reward (digits for the digits task, tool_digits for tool_digits, "
+                         "exact_match for JSONL)")
+    env: str = _f("", "multi-turn rollouts: the environment, a built-in name (tool_digits) or "
+                      "'package.module:function' taking (example, turns) and returning the tool's output (text or "
+                      "token ids) or None to end; each turn is a new request on the conversation's token ids "
+                      "(prefix-cache hits), and the trainer trains on the model's tokens only. Empty: the task's own "
+                      "(tool_digits for the tool_digits task), else one turn")
+    max_turns: int = _f(3, "multi-turn rollouts: at most this many model turns per trajectory")
     # ---- rollouts
     steps: int = _f(40, "optimizer steps to run (a resumed run continues up to this many)")
     prompts_per_step: int = _f(8, "prompts per rollout batch")
@@ -105,7 +113,7 @@ class TrainerConfig:
         def bad(opt, msg):
             raise ConfigError(f"--{opt.replace('_', '-')}: {msg}")
 
-        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_seqs"):
+        for name in ("steps", "prompts_per_step", "group_size", "max_tokens", "micro_batch_seqs", "max_turns"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.save_every < 0:

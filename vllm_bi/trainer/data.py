@@ -1,4 +1,5 @@
-"""Prompts for rollouts: the built-in procedural ``digits`` task, or a JSONL dataset.
+"""Prompts for rollouts: the built-in procedural ``digits`` task (and ``tool_digits``, its multi-turn form), or a
+JSONL dataset.
 
 A source is indexable by a global *position*: batch ``b`` of ``P`` prompts is
 positions ``[b*P, (b+1)*P)``. The same position always gives the same example
@@ -15,7 +16,7 @@ import random
 from vllm_bi.errors import UsageError
 from vllm_bi.prompts import read_jsonl
 
-__all__ = ["PromptSource", "make_source", "read_jsonl", "DIGIT_WORDS"]
+__all__ = ["PromptSource", "make_source", "read_jsonl", "DIGIT_WORDS", "TASKS"]
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
 _FILLER = ("the", "red", "cat", "river", "stone", "page", "road", "moon", "sum", "count", "number", "answer")
@@ -56,6 +57,16 @@ class DigitsTask(PromptSource):
         return {"prompt": f"{words} {DIGIT_WORDS[k]} in digits:", "answer": str(k), "position": position}
 
 
+class ToolDigitsTask(DigitsTask):
+    """The digits prompts as a multi-turn task: the model answers, a tool replies, three model turns per
+    trajectory (:func:`vllm_bi.trainer.multiturn.tool_digits_env`); reward: the mean share of digits over the
+    model's turns."""
+
+    name = "tool_digits"
+    default_reward = "tool_digits"
+    env = "tool_digits"
+
+
 class JsonlDataset(PromptSource):
     """One JSON object per line with a string ``prompt`` (other fields reach the reward function)."""
 
@@ -79,11 +90,15 @@ class JsonlDataset(PromptSource):
         return dict(self.rows[order[i]], position=position)
 
 
+TASKS = {"digits": DigitsTask, "tool_digits": ToolDigitsTask}
+
+
 def make_source(task: str, seed: int) -> PromptSource:
-    if task == "digits":
-        return DigitsTask(seed)
+    if task in TASKS:
+        return TASKS[task](seed)
     if task.endswith(".jsonl") or os.path.isfile(task):
         if not os.path.isfile(task):
-            raise UsageError(f"--task {task!r}: no such file; give a JSONL file or a built-in task (digits)")
+            raise UsageError(f"--task {task!r}: no such file; give a JSONL file or a built-in task "
+                             f"({', '.join(TASKS)})")
         return JsonlDataset(task, seed)
-    raise UsageError(f"--task {task!r}: not a built-in task (digits) nor a JSONL file")
+    raise UsageError(f"--task {task!r}: not a built-in task ({', '.join(TASKS)}) nor a JSONL file")

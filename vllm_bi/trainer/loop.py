@@ -87,6 +87,16 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
+    env_spec = cfg.env or getattr(source, "env", "")
+    env = None
+    if env_spec:  # multi-turn rollouts
+        from vllm_bi.gdn.chunk import gdn_mode
+        from vllm_bi.trainer.multiturn import get_env
+        from vllm_bi.trajectories import refuse_hybrid
+
+        env = get_env(env_spec)
+        if cfg.arithmetic != "stock":
+            refuse_hybrid(gdn_mode())
     t0 = time.perf_counter()
     if cfg.weight_push == "ipc" and (not str(dist.device).startswith("cuda") or dist.world > 1):
         raise TrainerError("--weight-push ipc needs one trainer process on a CUDA device, beside its server (vLLM's "
@@ -155,15 +165,16 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             saved_at = 0
         if dist.main:
             metrics = MetricsWriter(cfg.run_dir, start, cfg.tensorboard, run_settings(dist.device))
+            turns = f" (multi-turn: up to {cfg.max_turns} model turns, environment {env_spec})" if env else ""
             log(f"{'resuming at' if resumed else 'starting'} step {start}/{cfg.steps}: {cfg.prompts_per_step} prompts "
-                f"x {cfg.group_size} samples, {cfg.algo}, max_staleness {cfg.max_staleness}, "
+                f"x {cfg.group_size} samples{turns}, {cfg.algo}, max_staleness {cfg.max_staleness}, "
                 f"{dist.world} trainer process(es), server {client.url}")
             if str(dist.device).startswith("cuda"):
                 log("the first step compiles and autotunes fla-core's GDN backward kernels in each process (about "
                     "1.5 minutes on an H200); later steps reuse them")
 
             def generate(b: int, v: int) -> RolloutBatch:
-                return generate_batch(client, tokenizer, source, reward_fn, cfg, b, v)
+                return generate_batch(client, tokenizer, source, reward_fn, cfg, b, v, env)
 
             rollouts = RolloutThread(generate, start, cfg.steps, cfg.max_staleness, start)
             rollouts.start()

@@ -92,8 +92,13 @@ class Policy:
 
 
 def completion_logprobs(model, samples, entropy: bool = False):
-    """Per-sample logprob tensors of the sampled tokens (fp32, with grad) and the summed entropy."""
-    return model.completion_logprobs([(s.prompt_ids, s.completion_ids) for s in samples], entropy)
+    """Per-sample logprob tensors of the tokens the model sampled (fp32, with grad; a multi-turn trajectory's tool
+    tokens are left out by its ``mask``) and the entropy summed over those positions. The whole trajectory runs in
+    one forward either way."""
+    masks = [s.mask for s in samples]
+    lps, ent = model.completion_logprobs([(s.prompt_ids, s.completion_ids) for s in samples], entropy,
+                                         masks=masks if any(m is not None for m in masks) else None)
+    return [lp if m is None else lp[torch.tensor(m, device=lp.device)] for lp, m in zip(lps, masks)], ent
 
 
 # --------------------------------------------------------------------------- one update
@@ -106,8 +111,8 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     adv, spread = group_advantages(rewards, cfg.group_size)
     use = spread if cfg.algo == "dapo" else torch.ones_like(spread)
-    denom = sum(len(s.completion_ids) for s, u in zip(samples, use.tolist()) if u)
-    n_tok = sum(len(s.completion_ids) for s in samples)
+    denom = sum(s.model_tokens for s, u in zip(samples, use.tolist()) if u)
+    n_tok = sum(s.model_tokens for s in samples)
     share = len(samples) // dist.world  # validated: divides evenly, so every rank runs as many micro-batches
     mine = range(dist.rank * share, (dist.rank + 1) * share)
     diff_sum = diff_max = n_diff = ent_sum = loss_sum = 0.0
@@ -124,8 +129,8 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         diff_sum, diff_max, n_diff = diff_sum + float(d.sum()), max(diff_max, float(d.max())), n_diff + int((d != 0).sum())
         if denom == 0:  # every group had identical rewards (dapo): nothing to learn from this batch
             continue
-        keep = torch.cat([torch.full((len(samples[i].completion_ids),), bool(use[i])) for i in idx]).to(logp.device)
-        a = torch.cat([torch.full((len(samples[i].completion_ids),), float(adv[i])) for i in idx]).to(logp.device)
+        keep = torch.cat([torch.full((samples[i].model_tokens,), bool(use[i])) for i in idx]).to(logp.device)
+        a = torch.cat([torch.full((samples[i].model_tokens,), float(adv[i])) for i in idx]).to(logp.device)
         loss, st = clipped_surrogate(logp[keep], old[keep], a[keep], cfg.clip_low, cfg.clip_high, denom)
         if not keep.any():
             loss = logp.sum() * 0.0  # still run backward: FSDP ranks must make the same collective calls
@@ -157,6 +162,7 @@ def train_on_batch(policy: Policy, batch: RolloutBatch, cfg: TrainerConfig) -> d
         "entropy": dist.reduce(ent_sum) / n_tok,
         "grad_norm": grad_norm,
         "tokens/completion": n_tok,
+        "turns/mean": sum(s.turns for s in samples) / len(samples),
         "groups/used": int(use.view(-1, cfg.group_size)[:, 0].sum()),
         "trainer/tokens_per_s": seq_tokens / dist.reduce(train_s, "max"),
         "time/train_s": train_s,

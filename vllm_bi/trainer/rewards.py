@@ -1,6 +1,6 @@
 """Reward functions: ``fn(prompt: str, completion: str, example: dict) -> float``.
 
-Chosen by name (``digits``, ``exact_match``, ``contains``) or by dotted path
+Chosen by name (``digits``, ``exact_match``, ``contains``, ``tool_digits``) or by dotted path
 (``package.module:function`` or ``package.module.function``).
 """
 
@@ -11,7 +11,7 @@ import math
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["REWARDS", "get_reward", "checked_reward"]
+__all__ = ["REWARDS", "get_reward", "checked_reward", "load_callable"]
 
 
 def digits(prompt: str, completion: str, example: dict) -> float:
@@ -36,24 +36,40 @@ def contains(prompt: str, completion: str, example: dict) -> float:
     return float(_answer(example) in completion)
 
 
-REWARDS = {"digits": digits, "exact_match": exact_match, "contains": contains}
+def tool_digits(prompt: str, completion: str, example: dict) -> float:
+    """Multi-turn (the ``tool_digits`` task): the mean over the model's turns (``example["turns"]``) of
+    :func:`digits` of each turn's text."""
+    turns = [t["text"] for t in example.get("turns", ()) if t["role"] == "model"]
+    if not turns:
+        raise KeyError("the tool_digits reward needs a multi-turn trajectory (example[\"turns\"]); use it with "
+                       "--task tool_digits or an --env")
+    return sum(digits(prompt, t, example) for t in turns) / len(turns)
 
 
-def get_reward(spec: str):
-    if spec in REWARDS:
-        return REWARDS[spec]
+REWARDS = {"digits": digits, "exact_match": exact_match, "contains": contains, "tool_digits": tool_digits}
+
+
+def load_callable(spec: str, option: str, builtins: dict):
+    """``spec``: a name in ``builtins`` or a dotted path ``package.module:function`` (or ``package.module.function``);
+    the callable, or a one-line :class:`~vllm_bi.errors.UsageError` naming ``option``."""
+    if spec in builtins:
+        return builtins[spec]
     mod_name, sep, attr = spec.partition(":")
     if not sep:
         mod_name, _, attr = spec.rpartition(".")
     if not mod_name or not attr:
-        raise UsageError(f"--reward {spec!r}: not a built-in ({', '.join(REWARDS)}) nor 'package.module:function'")
+        raise UsageError(f"{option} {spec!r}: not a built-in ({', '.join(builtins)}) nor 'package.module:function'")
     try:
         fn = getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as e:
-        raise UsageError(f"--reward {spec!r}: cannot import ({e})") from None
+        raise UsageError(f"{option} {spec!r}: cannot import ({e})") from None
     if not callable(fn):
-        raise UsageError(f"--reward {spec!r}: {attr} is not callable")
+        raise UsageError(f"{option} {spec!r}: {attr} is not callable")
     return fn
+
+
+def get_reward(spec: str):
+    return load_callable(spec, "--reward", REWARDS)
 
 
 def checked_reward(fn, prompt: str, completion: str, example: dict) -> float:

@@ -32,6 +32,11 @@ class VersionChanged(RuntimeError):
 
 @dataclass
 class Sample:
+    """One sample: its prompt, what followed it (``completion_ids``) and the server's logprob of each token the
+    model sampled. Multi-turn (:mod:`vllm_bi.trajectories`): ``completion_ids`` is the whole trajectory after
+    the prompt, model turns and tool outputs, and ``mask`` marks the model's tokens (``logprobs`` holds one per
+    True); None: every token is the model's."""
+
     group: int
     prompt: str
     prompt_ids: list[int]
@@ -39,6 +44,13 @@ class Sample:
     logprobs: list[float]
     completion: str
     reward: float = 0.0
+    mask: list[bool] | None = None
+    turns: int = 1
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model sampled (the ones trained on)."""
+        return len(self.completion_ids) if self.mask is None else sum(self.mask)
 
 
 @dataclass
@@ -51,26 +63,36 @@ class RolloutBatch:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(s.completion_ids) for s in self.samples)
+        """Tokens the model sampled in this batch (tool outputs not counted)."""
+        return sum(s.model_tokens for s in self.samples)
 
 
 def sample_seed(run_seed: int, batch: int, prompt: int, sample: int) -> int:
     return ((run_seed * 1_000_003 + batch) * 4099 + prompt) * 257 + sample & 0x7FFF_FFFF_FFFF
 
 
-def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, version: int) -> RolloutBatch:
+def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, version: int, env=None) -> RolloutBatch:
+    """Batch ``index``: ``cfg.prompts_per_step`` prompts x ``cfg.group_size`` samples, all sampled under weight
+    ``version``; with ``env`` (an environment callback) each sample is a multi-turn trajectory
+    (:func:`vllm_bi.trajectories.rollout_trajectories`)."""
     start = index * cfg.prompts_per_step
     examples = source.batch(start, cfg.prompts_per_step)
-    reqs = []
+    reqs, owners = [], []
     for j, ex in enumerate(examples):
         ids = tokenizer(ex["prompt"], add_special_tokens=False)["input_ids"]
         for k in range(cfg.group_size):
             reqs.append(dict(prompt_ids=ids, max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                              top_p=cfg.top_p, seed=sample_seed(cfg.seed, index, j, k), ignore_eos=False,
                              cache_salt=f"vllm_bi-v{version}"))
+            owners.append(ex)
     before = client.weight_version()
     t0 = time.perf_counter()
-    outs = client.complete_many(reqs)
+    if env is None:
+        outs = client.complete_many(reqs)
+    else:
+        from vllm_bi.trajectories import rollout_trajectories
+
+        outs = rollout_trajectories(client, tokenizer, reqs, owners, env, cfg.max_turns)
     dt = time.perf_counter() - t0
     after = client.weight_version()
     if before != str(version) or after != str(version):
@@ -79,8 +101,13 @@ def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, versio
     batch = RolloutBatch(index=index, version=version, data_start=start, gen_seconds=dt)
     for i, c in enumerate(outs):
         ex = examples[i // cfg.group_size]
-        text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.token_ids, c.logprobs, text)
+        if env is None:
+            text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.token_ids, c.logprobs, text)
+        else:  # a Trajectory; the reward sees its turns in the example's "turns"
+            text, ex = c.text, dict(ex, turns=c.turns)
+            s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.ids, c.logprobs, text, mask=c.mask,
+                       turns=c.model_turns)
         s.reward = checked_reward(reward_fn, ex["prompt"], text, ex)
         batch.samples.append(s)
     return batch

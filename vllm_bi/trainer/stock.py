@@ -30,9 +30,9 @@ class StockModel(nn.Module):
 
         return cls(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
 
-    def completion_logprobs(self, pairs, entropy: bool = False) -> tuple[list[torch.Tensor], float]:
+    def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
         """As the trainer model's: each completion's per-token logprobs (fp32, differentiable) and, with
-        ``entropy``, the entropy summed over those positions. The sequences are right-padded into one batch and
+        ``entropy``, the entropy summed over those positions (``masks``: the ones marked True, where given). The sequences are right-padded into one batch and
         the log-softmax is taken in fp32 of the bf16 logits, as RL trainers on transformers models commonly do."""
         dev = next(self.parameters()).device
         seqs = [list(p) + list(c) for p, c in pairs]
@@ -48,7 +48,9 @@ class StockModel(nn.Module):
             outs.append(lp.gather(1, torch.tensor(c, device=dev).unsqueeze(1)).squeeze(1))
             if entropy:
                 with torch.no_grad():
-                    ent += float(-(lp.exp() * lp).sum())
+                    m = masks[i] if masks is not None else None
+                    sel = lp if m is None else lp[torch.tensor(m, device=dev)]
+                    ent += float(-(sel.exp() * sel).sum())
         return outs, ent
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
