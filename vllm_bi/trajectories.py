@@ -29,25 +29,21 @@ __all__ = ["Trajectory", "rollout_trajectories", "turn_seed", "refuse_hybrid"]
 
 @dataclass
 class Trajectory:
-    """One conversation: ``prompt_ids``, then ``ids`` (every token after the prompt), ``mask`` (True: the model's),
-    the server's ``logprobs`` of the model's tokens, and the ``turns`` as the environment saw them."""
+    """One conversation: ``prompt_ids``, then ``token_ids`` (every token after the prompt, the name a single-turn
+    completion has), ``mask`` (True: the model's), the server's ``logprobs`` of the model's tokens, and the
+    ``turns`` as the environment saw them."""
 
     prompt_ids: list[int]
-    ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
 
     def add(self, role: str, ids: list[int], text: str, logprobs: list[float] | None = None) -> None:
-        self.ids += ids
+        self.token_ids += ids
         self.mask += [role == "model"] * len(ids)
         self.logprobs += logprobs or []
         self.turns.append({"role": role, "text": text, "ids": list(ids)})
-
-    @property
-    def token_ids(self) -> list[int]:
-        """``ids``, under the name a single-turn completion has (what the parity recompute reads)."""
-        return self.ids
 
     @property
     def text(self) -> str:
@@ -75,7 +71,7 @@ def rollout_trajectories(client, tokenizer, requests: list[dict], examples: list
     active = list(range(len(requests)))
     name = getattr(env, "__name__", repr(env))
     for turn in range(max_turns):
-        sent = [dict(requests[i], prompt_ids=trajs[i].prompt_ids + trajs[i].ids,
+        sent = [dict(requests[i], prompt_ids=trajs[i].prompt_ids + trajs[i].token_ids,
                      seed=turn_seed(requests[i]["seed"], turn)) for i in active]
         outs = client.complete_many(sent)
         going = []

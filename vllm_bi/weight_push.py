@@ -135,7 +135,7 @@ class WeightPush:
 
     def _recover(self, version: int, step: str, err: BaseException) -> None:
         """After a failed push: the server back on the last good version, or paused; raises :class:`PushFailed`."""
-        what = f"weight push of version {version} failed at '{step}' ({(str(err).splitlines() or [type(err).__name__])[0][:800]})"
+        what = f"weight push of version {version} failed at '{step}' ({_first_line(err)[:800]})"
         if self.good is None:
             left = self._close(f"{version}-failed")
             raise PushFailed(f"{what}; there is no earlier good version to return to, so the server {left} until a "

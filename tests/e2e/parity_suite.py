@@ -139,7 +139,7 @@ def check_multiturn(model_path: str, label: str, run) -> int:
     t = run.trajectory
     assert t.model_turns == len(run.hits) >= 3 and len(t.logprobs) == sum(t.mask) == 16 * t.model_turns, label
     assert all(h > 0 for h in run.hits[1:]), f"{label}: a later turn did not hit the prefix cache: {run.hits}"
-    s = Sample(0, "", t.prompt_ids, t.ids, t.logprobs, t.text, mask=t.mask, turns=t.model_turns)
+    s = Sample(0, "", t.prompt_ids, t.token_ids, t.logprobs, t.text, mask=t.mask, turns=t.model_turns)
     with torch.no_grad():
         (got,), _ = completion_logprobs(QwenGDNForCausalLM.from_pretrained(model_path), [s])
         (stock,), _ = completion_logprobs(StockModel.from_pretrained(model_path), [s])

@@ -50,7 +50,7 @@ def test_each_turn_sends_the_trajectory_so_far_as_token_ids(tok):
     m1, m2, m3 = (c["ids"] for c in t.turns if c["role"] == "model")
     assert client.sent[1][0]["prompt_ids"] == [3, 4, 5] + m1 + tool1
     assert client.sent[2][0]["prompt_ids"] == [3, 4, 5] + m1 + tool1 + m2 + [40, 41]
-    assert t.ids == m1 + tool1 + m2 + [40, 41] + m3
+    assert t.token_ids == m1 + tool1 + m2 + [40, 41] + m3
     assert t.mask == [True] * 3 + [False] * len(tool1) + [True] * 3 + [False] * 2 + [True] * 3
     assert len(t.logprobs) == sum(t.mask) == 9 and t.model_turns == 3
     assert [s[0]["seed"] for s in client.sent] == [turn_seed(1, k) for k in range(3)]
@@ -76,7 +76,7 @@ def test_the_environment_sees_a_copy_of_the_turns(tok):
         return " ok"
 
     (t,) = rollout_trajectories(FakeClient(), tok, [_req(3)], [{}], env, 2)
-    assert 999 not in t.ids and len(t.turns) == 3
+    assert 999 not in t.token_ids and len(t.turns) == 3
 
 
 @pytest.mark.parametrize("reply, what", [(3.5, "return the tool's output as a string or a list of token ids"),

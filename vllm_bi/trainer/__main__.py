@@ -33,7 +33,7 @@ def _check_inputs(cfg: TrainerConfig) -> None:
     Settings.from_env()  # the recipe's [settings] were checked when it was read
     source = make_source(cfg.task, cfg.seed)
     get_reward(cfg.reward or source.default_reward)
-    if cfg.env or getattr(source, "env", ""):  # multi-turn: an --env that does not import is refused here too
+    if cfg.env or source.env:  # multi-turn: an --env that does not import is refused here too
         from vllm_bi.trainer.multiturn import get_env
 
         get_env(cfg.env or source.env)

@@ -25,6 +25,7 @@ _FILLER = ("the", "red", "cat", "river", "stone", "page", "road", "moon", "sum",
 class PromptSource:
     name = "base"
     default_reward = "exact_match"
+    env = ""  # a multi-turn task's environment (``--env`` name); empty: one turn
 
     def __len__(self) -> int:  # examples per pass (inf for procedural tasks)
         raise NotImplementedError

@@ -87,7 +87,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     source = make_source(cfg.task, cfg.seed)
     reward_fn = get_reward(cfg.reward or source.default_reward)
-    env_spec = cfg.env or getattr(source, "env", "")
+    env_spec = cfg.env or source.env
     env = None
     if env_spec:  # multi-turn rollouts
         from vllm_bi.gdn.chunk import gdn_mode

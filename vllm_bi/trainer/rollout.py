@@ -106,7 +106,7 @@ def generate_batch(client, tokenizer, source, reward_fn, cfg, index: int, versio
             s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.token_ids, c.logprobs, text)
         else:  # a Trajectory; the reward sees its turns in the example's "turns"
             text, ex = c.text, dict(ex, turns=c.turns)
-            s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.ids, c.logprobs, text, mask=c.mask,
+            s = Sample(i // cfg.group_size, ex["prompt"], c.prompt_ids, c.token_ids, c.logprobs, text, mask=c.mask,
                        turns=c.model_turns)
         s.reward = checked_reward(reward_fn, ex["prompt"], text, ex)
         batch.samples.append(s)

@@ -32,8 +32,9 @@ class StockModel(nn.Module):
 
     def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
         """As the trainer model's: each completion's per-token logprobs (fp32, differentiable) and, with
-        ``entropy``, the entropy summed over those positions (``masks``: the ones marked True, where given). The sequences are right-padded into one batch and
-        the log-softmax is taken in fp32 of the bf16 logits, as RL trainers on transformers models commonly do."""
+        ``entropy``, the entropy summed over those positions (``masks``: the ones marked True, where given). The
+        sequences are right-padded into one batch and the log-softmax is taken in fp32 of the bf16 logits, as RL
+        trainers on transformers models commonly do."""
         dev = next(self.parameters()).device
         seqs = [list(p) + list(c) for p, c in pairs]
         L = max(map(len, seqs))
