@@ -28,10 +28,12 @@ def test_info_prints_every_setting_and_the_arithmetic_dict(monkeypatch, capsys):
 
     monkeypatch.setenv("VLLM_BI_PRESET", "fast")
     monkeypatch.setenv("VLLM_BI_GEMM", "fp64")
+    monkeypatch.setenv("VLLM_BI_DIGEST", "triton")
     _cmd_info(None)
     out = capsys.readouterr().out
     for spec in SETTINGS:
         assert f"  {spec.env} = " in out, spec.env
+    assert "VLLM_BI_DIGEST = 'triton' (env)" in out
     assert "VLLM_BI_GEMM = 'fp64' (env)" in out and "VLLM_BI_GEMM_CONFIGS = 'h200-qwen3.5-9b' (preset)" in out
     assert "VLLM_BI_GDN_MODE = 'recurrent' (default)" in out
     cpu = ", ".join(f"{k} {v}" for k, v in current().arithmetic("cpu").items())

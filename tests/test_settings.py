@@ -191,6 +191,25 @@ def test_arithmetic_resolves_for_the_device_and_the_diff_names_what_differs():
     assert "set VLLM_BI_LOGPROBS to the same value" in S.describe_diff(fused, cuda)
 
 
+def test_digest_setting_parses_resolves_per_device_and_is_not_arithmetic():
+    """``VLLM_BI_DIGEST`` picks the weight digest's implementation: auto is :data:`DIGEST_AUTO_CUDA` on CUDA and torch
+    elsewhere, an explicit value is kept on every device, a bad one is refused in one line. Both implementations
+    give the same digests, so it is no key of the arithmetic dict and two sides that differ on it are not told."""
+    assert S.DIGEST_AUTO_CUDA == "torch" and S.Settings().digest == "auto"
+    auto = S.Settings.from_env({"VLLM_BI_DIGEST": "auto"})
+    assert (auto.digest, auto.digest_op("cuda"), auto.digest_op("cpu")) == ("auto", S.DIGEST_AUTO_CUDA, "torch")
+    for raw, value in (("triton", "triton"), (" Torch ", "torch"), ("TRITON", "triton")):
+        s = S.Settings.from_env({"VLLM_BI_DIGEST": raw})
+        assert s.digest == s.digest_op("cuda") == s.digest_op("cpu") == value and s.source("digest") == "env"
+    assert S.Settings.from_dict({"digest": "triton"}).digest == "triton"
+    with pytest.raises(ValueError, match="VLLM_BI_DIGEST='fused' is not a setting; use one of auto, torch, triton"):
+        S.Settings.from_env({"VLLM_BI_DIGEST": "fused"})
+    fused = S.Settings.from_env({"VLLM_BI_DIGEST": "triton"})
+    assert "digest" not in S.ARITHMETIC_ENV and "VLLM_BI_DIGEST" not in S.ARITHMETIC_ENV.values()
+    assert fused.arithmetic("cuda") == S.Settings().arithmetic("cuda")
+    assert S.diff(fused.arithmetic("cuda"), S.Settings().arithmetic("cuda")) == []
+
+
 def test_current_is_read_once_and_reload_rereads(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")  # the test suite's monkeypatch reloads the settings
     assert S.current().gdn_mode == "chunk" and S.current() is S.current()

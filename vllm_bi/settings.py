@@ -67,6 +67,10 @@ CHUNK_DECODE_AUTO_CUDA = "host"
 # What VLLM_BI_LOGPROBS=auto runs on CUDA. The Triton kernel's bits differ from the torch formula's on some rows
 # (measured on the H200 at a 248,320-token vocabulary), so a change here changes CUDA's bits, as DEFAULT_PRESET does.
 LOGPROBS_AUTO_CUDA = "torch"
+# What VLLM_BI_DIGEST=auto runs on CUDA. Both implementations give the same weight digests by construction, so this
+# decides no bits of a served token; auto stays on the torch path on CUDA until a GPU run shows that the Triton
+# kernel gives the torch path's digests at full model size (a change of a default CUDA path lands with such a run).
+DIGEST_AUTO_CUDA = "torch"
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -97,6 +101,10 @@ SETTINGS = (
           "log-softmax of the logits (the server's logprobs and the trainer's): the fp32 torch formula, or one Triton "
           "program per row (CUDA; other bits than the formula's); auto: "
           f"{LOGPROBS_AUTO_CUDA} on CUDA, torch on CPU"),
+    _Spec("digest", "auto", ("auto", "torch", "triton"),
+          "the weight digest's value sums: torch's elementwise kernels, or one fused Triton kernel (CUDA; bf16, fp16 "
+          "and fp32 tensors); the same digests either way, so server and trainer may differ; auto: "
+          f"{DIGEST_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
           "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
@@ -157,6 +165,7 @@ class Settings:
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
+    digest: str = "auto"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False
@@ -226,6 +235,13 @@ class Settings:
         if self.logprobs == "auto":
             return LOGPROBS_AUTO_CUDA if device == "cuda" else "torch"
         return self.logprobs
+
+    def digest_op(self, device: str) -> str:
+        """The weight digest's implementation on ``device`` (``torch`` or ``triton``; not part of :meth:`arithmetic`:
+        both give the same digests)."""
+        if self.digest == "auto":
+            return DIGEST_AUTO_CUDA if device == "cuda" else "torch"
+        return self.digest
 
     def moe_path(self, device: str) -> str:
         """The MoE experts' path on ``device`` (``loop``, ``exact`` or ``triton``)."""

@@ -16,7 +16,12 @@ guards against are stale, partial or rounded loads.)
 
 It runs in one pass on the GPU when there is one (a CPU sort of every value, the
 first version, took minutes per push at Qwen3.5-9B dimensions under torchrun's
-one thread per process).
+one thread per process). Under ``VLLM_BI_DIGEST=triton`` a bf16, fp16 or fp32
+tensor hashed on CUDA takes one fused Triton kernel instead of torch's
+elementwise kernels (:mod:`vllm_bi.ops.digest_triton`: one read of the values
+and one sum brought to the host per tensor); it gives the torch path's sums
+bit for bit, so the setting is not part of the arithmetic a server and its
+trainer must share. The torch path is the CPU's and the reference.
 
 The vLLM side runs :func:`weight_digest` on ``model.named_parameters()`` in
 each worker (``vllm_bi_weight_digest`` over ``/collective_rpc``, installed by
@@ -70,11 +75,40 @@ def _hash_device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
+def _kernel_wanted(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether values of ``dtype`` hashed on ``device`` take the fused kernel: a CUDA device, a dtype the kernel
+    reads, and ``VLLM_BI_DIGEST`` resolving to ``triton`` there."""
+    from vllm_bi.settings import current
+
+    if device.type != "cuda" or current().digest_op("cuda") != "triton":
+        return False
+    from vllm_bi.ops.digest_triton import DTYPES
+
+    return dtype in DTYPES
+
+
+def _kernel_sums(flat: torch.Tensor, dev: torch.device) -> tuple[int, int]:
+    """The fused kernel's two sums of the flat tensor ``flat`` on ``dev`` (a tensor elsewhere is copied over in
+    chunks), added on ``dev`` and read once."""
+    from vllm_bi.ops.digest_triton import mixed_sums
+
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    step = max(flat.numel() if flat.device == dev else _CHUNK, 1)
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)
+    for s in range(0, flat.numel(), step):
+        acc += mixed_sums(flat[s : s + step].to(dev), _SALTS, _MUL)
+    a, b = acc.tolist()
+    return a & _MASK64, b & _MASK64
+
+
 def _value_sums(t: torch.Tensor, device=None) -> tuple[int, int]:
     """The two sums (mod 2^64) of mixed value words of ``t``, computed on ``device`` (default: the GPU if there is
-    one, else ``t``'s device); the same on every device."""
+    one, else ``t``'s device); the same on every device and on either path (module doc)."""
     flat = t.detach().reshape(-1)
     dev = _hash_device(flat) if device is None else torch.device(device)
+    if _kernel_wanted(flat.dtype, dev):
+        return _kernel_sums(flat, dev)
     sums = [0, 0]
     for s in range(0, flat.numel(), _CHUNK):
         bits = flat[s : s + _CHUNK].to(dev).to(torch.float64).view(torch.int64)
