@@ -73,8 +73,10 @@ def test_stock_vllm_refuses_gdn_without_the_plugin_patch():
 CONFIG_CASES = [
     ("auto state cache", "qwen3-next", {}),
     ("bf16 state cache", "qwen3-next", {"mamba_ssm_cache_dtype": "bfloat16"}),
-    ("speculative decoding", "qwen3-next",
+    ("speculative decoding, ngram", "qwen3-next",
      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}}),
+    ("speculative decoding with prefix caching", "qwen3-next",
+     {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "enable_prefix_caching": True}),
     ("tp with expert parallelism", "qwen3-next", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("pipeline parallelism", "qwen3.5", {"pipeline_parallel_size": 2}),
 ]
@@ -110,9 +112,11 @@ def test_explicit_bf16_state_cache_is_refused(engine_configs):
     assert not ok and "--mamba-ssm-cache-dtype float32" in detail and "'bfloat16'" in detail, detail
 
 
-def test_speculative_decoding_is_refused(engine_configs):
-    ok, detail = engine_configs["speculative decoding"]
-    assert not ok and "speculative decoding is not batch-invariant" in detail, detail
+def test_speculative_decoding_other_than_mtp_or_with_prefix_caching_is_refused(engine_configs):
+    ok, detail = engine_configs["speculative decoding, ngram"]
+    assert not ok and "method 'ngram' is not supported under batch invariance" in detail, detail
+    ok, detail = engine_configs["speculative decoding with prefix caching"]
+    assert not ok and "drop --enable-prefix-caching or --speculative-config" in detail, detail
 
 
 @pytest.mark.parametrize("case,message", [

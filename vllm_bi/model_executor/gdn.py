@@ -20,7 +20,8 @@ from vllm_bi.gdn.chunk import CHUNK, gdn_mode, hybrid_chunk_rows
 from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, rows_of, step_cached
 
-__all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape"]
+__all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
+           "spec_step", "verify_rows"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
@@ -133,8 +134,11 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     md = _metadata(layer)
     if md is None or md.num_actual_tokens == 0:
         return  # profiling / dummy run
+    if getattr(layer, "num_spec", 0):  # a server with speculative decoding: its own step (conv slots of W - 1 + k rows)
+        spec_step(layer, mixed_qkv, b, a, out, md)
+        return
     if md.num_spec_decodes or md.spec_sequence_masks is not None:
-        raise NotImplementedError("vllm_bi: speculative decoding is not batch-invariant yet")
+        raise NotImplementedError("vllm_bi: speculative decoding metadata in a layer without speculative slots")
     conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
     if ssm_cache.dtype != torch.float32:
         raise RuntimeError(
@@ -662,3 +666,112 @@ def chunk_state_shape(orig):
 
     gated_delta_net_state_shape._vllm_bi = True
     return gated_delta_net_state_shape
+
+# --------------------------------------------------------------------------- speculative decoding
+# The GDN steps of a server with speculative decoding (``--speculative-config``), recurrent GDN mode.
+# 
+# vLLM gives a speculative request ``k + 1`` state slots (``spec_state_indices_tensor[i]``) and, each step, the
+# number of rows of its previous step that were accepted (``num_accepted_tokens[i] = m``: its last sampled token and
+# the drafts that matched). A step verifies ``n <= k + 1`` rows: the last sampled token and the new drafts.
+# 
+# - **Bits.** :func:`verify_rows` computes the rows position by position, each one as a one-token decode step
+#   (:func:`vllm_bi.gdn.layer.gdn_varlen` over one row per request, from the state and conv window after the row
+#   before it), so every row has the bits a plain decode of that token would give, whatever is accepted later; the
+#   recurrent mode's prefill has the same bits (P3), so the trainer's recompute matches.
+# - **States.** The state after row ``j`` goes to slot ``j``; a step starts from slot ``m - 1`` (the state after its
+#   last accepted token; ``m = 1`` for a request's first speculative step, whose state its prefill left in slot 0).
+# - **Conv history** (a slot of ``W - 1 + k`` raw rows, ``spec_state_indices_tensor[i, 0]``): after a step whose
+#   window before its rows was ``P`` (the ``W - 1`` raw rows ending at the last accepted token) and whose rows were
+#   ``x_0 .. x_{n-1}``, the slot holds ``P[1:], x_0, .., x_{n-1}`` from row 0, so the next step's window is rows
+#   ``m - 1 .. m + W - 3``. A step without speculative requests (prefills) leaves each request's last ``W - 1`` raw
+#   rows at rows ``0 .. W - 2``: the window of ``m = 1``. This is the convention of vLLM's own conv-update kernel;
+#   here only vllm_bi reads and writes the values (vLLM copies whole slots).
+# 
+# CPU only for now: a CUDA server refuses speculative decoding under batch invariance until a GPU run shows it
+# exact (``patch.engine_config``).
+
+
+def _dims(layer) -> tuple:
+    return layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation
+
+
+def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
+    """Conv slots seen as ``[..., rows, D]`` (vLLM may keep them ``[..., D, rows]``)."""
+    return conv.transpose(-1, -2) if dim_first else conv
+
+
+def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor, md) -> None:
+    """One step of a GDN layer in a server with speculative decoding: the requests without drafts (prefills)
+    through the recurrent path on their own tokens, then the speculative requests' rows (:func:`verify_rows`)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    if gdn_mode() != "recurrent":
+        raise RuntimeError(f"vllm_bi: speculative decoding runs in the recurrent GDN mode only, this server runs "
+                           f"{gdn_mode()!r}; set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config")
+    conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
+    weight = layer.conv1d.weight
+    weight = weight.reshape(weight.shape[0], weight.shape[-1])
+    W = weight.shape[-1]
+    dim_first = is_conv_state_dim_first()
+    kv_layout = _kv_layout(mixed_qkv.device)
+    spec = md.spec_sequence_masks is not None
+    if not spec or md.num_prefills or md.num_decodes:
+        rows = md.non_spec_token_indx if spec else None
+        x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
+        sub = out if rows is None else out.new_zeros((rows.numel(), *out.shape[1:]))
+        plan = step_plan(md, mixed_qkv.device)
+        if plan is not None:
+            window = _rows_view(gather_slots(conv_cache, plan.slot_t, plan.fresh), dim_first)[:, : W - 1]
+            new = _recurrent_step(layer, x, bb, aa, sub, plan, window, ssm_cache, weight, kv_layout)
+            _rows_view(conv_cache, dim_first)[plan.slot_t, : W - 1] = new.to(conv_cache.dtype)
+        if rows is not None:
+            out[rows] = sub
+    if spec:
+        n = md.num_spec_decodes
+        qsl = md.spec_query_start_loc[: n + 1].tolist()
+        rows = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
+        x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
+        o = verify_rows(layer, x, bb, aa, qsl, md.spec_state_indices_tensor[:n].long(),
+                        md.num_accepted_tokens[:n].long(), conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        if rows is None:
+            out[: qsl[-1]] = o
+        else:
+            out[rows] = o
+
+
+def verify_rows(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: list[int], slots: torch.Tensor,
+                accepted: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, weight: torch.Tensor,
+                dim_first: bool, kv_layout: bool) -> torch.Tensor:
+    """The GDN core's output ``[qsl[-1], HV, V]`` for speculative requests whose rows are packed by ``qsl``
+    (request ``i``: rows ``qsl[i] .. qsl[i+1] - 1``), from their slots ``slots [N, k + 1]`` and accepted counts
+    ``accepted [N]`` (the module doc says what is read and written)."""
+    dev = x.device
+    N = len(qsl) - 1
+    lens = [qsl[i + 1] - qsl[i] for i in range(N)]
+    W = weight.shape[-1]
+    conv_slot = slots[:, 0]
+    hist = _rows_view(conv_cache, dim_first)  # [slots, R, D]
+    first = (accepted - 1).clamp(min=0)
+    req = torch.arange(N, device=dev)
+    window = hist[conv_slot[:, None], first[:, None] + torch.arange(W - 1, device=dev)[None, :]]  # [N, W-1, D]
+    before = window.clone()  # P: each request's window before its first row
+    src = slots[req, first]  # the state after the last accepted token
+    out = x.new_zeros((x.shape[0], layer.num_v_heads // layer.tp_size, layer.head_v_dim))
+    for j in range(max(lens, default=0)):
+        live = [i for i in range(N) if lens[i] > j]
+        sel = torch.tensor(live, dtype=torch.long, device=dev)
+        at = torch.tensor([qsl[i] + j for i in live], dtype=torch.long, device=dev)
+        ranges = [(t, t + 1) for t in range(len(live))]
+        states = gather_slots(ssm_cache, src[sel], None, kv_layout)
+        o, new_conv, new_states = gdn_varlen(x[at], ranges, weight, window[sel], layer.A_log, a[at], b[at],
+                                             layer.dt_bias, states, *_dims(layer), packed=True)
+        dst = slots[sel, j]
+        store_slots(ssm_cache, dst, new_states, kv_layout)
+        window[sel] = new_conv.to(window.dtype)
+        out[at] = o.to(out.dtype)
+        src = src.clone()
+        src[sel] = dst
+    for i in range(N):  # P[1:], then the step's raw rows, from row 0
+        rows = torch.cat([before[i, 1:], x[qsl[i] : qsl[i + 1]].to(hist.dtype)])
+        hist[conv_slot[i], : rows.shape[0]] = rows
+    return out

@@ -4,7 +4,8 @@
 runs once, in the process that builds the engine, before any model is loaded:
 
 - the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
-- speculative decoding is refused;
+- speculative decoding: the MTP drafter in the recurrent GDN mode on CPU, greedy requests, prefix caching off
+  (anything else refused with the fix);
 - CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
   ``VLLM_BI_CUDA_GRAPHS`` resolves to ``decode`` (:meth:`vllm_bi.settings.Settings.decode_graphs`,
   :func:`_check_graphs`) and runs every other step eagerly, with TRITON_ATTN as the attention backend when none
@@ -53,10 +54,7 @@ def wrap_create_engine_config(orig):
             self.mamba_ssm_cache_dtype = "float32"
             logger.info("vllm_bi: batch invariance: SSM state cache dtype auto -> float32")
         if getattr(self, "speculative_config", None):
-            raise BatchInvarianceConfigError(
-                "vllm_bi: speculative decoding is not batch-invariant yet; remove --speculative-config "
-                "or unset VLLM_BATCH_INVARIANT."
-            )
+            _check_speculative(self, current_platform)
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
@@ -131,6 +129,44 @@ def _auto_under_tp(args, platform) -> None:
     reload_settings()
     logger.warning("vllm_bi: tensor parallel size %d on CUDA: the portable arithmetic (float64 GEMM, eager "
                    "decode) instead of the fast default; the trainer needs VLLM_BI_PRESET=portable too", tp)
+
+
+SPEC_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp")  # the model's own multi-token-prediction drafter
+
+
+def _check_speculative(args, platform) -> None:
+    """``--speculative-config`` under batch invariance: the model's MTP drafter, in the recurrent GDN mode, on CPU,
+    without prefix caching (vLLM's CPU build has no kernel for the state copies that prefix caching with
+    speculative decoding needs). Each verified row has a one-token decode's bits
+    (:mod:`vllm_bi.model_executor.gdn_spec`), and greedy verification accepts a draft exactly when it is the
+    token plain decoding would pick, so a request's tokens and logprobs are those of decoding without drafts.
+    Sampling at a temperature is refused per request (``InputProcessor`` patch): vLLM's rejection sampler
+    accepts by a probability test, which changes the tokens."""
+    spec = args.speculative_config
+    spec = spec if isinstance(spec, dict) else vars(spec) if hasattr(spec, "__dict__") else {}
+    method = spec.get("method")
+    if platform.is_cuda() or not platform.is_cpu():
+        raise BatchInvarianceConfigError(
+            "vllm_bi: speculative decoding under batch invariance is verified on CPU only so far (a GPU run has not "
+            "shown it exact); remove --speculative-config or unset VLLM_BATCH_INVARIANT.")
+    if method not in SPEC_METHODS:
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: speculative decoding method {method!r} is not supported under batch invariance; use the "
+            "model's own drafter, --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'.")
+    try:
+        mode = current_settings().gdn_mode
+    except ValueError as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    if mode != "recurrent":
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: speculative decoding runs in the recurrent GDN mode only (VLLM_BI_GDN_MODE is {mode!r}); "
+            "set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config.")
+    if args.enable_prefix_caching:
+        raise BatchInvarianceConfigError(
+            "vllm_bi: speculative decoding with prefix caching needs a state-copy kernel vLLM's CPU build lacks; drop "
+            "--enable-prefix-caching or --speculative-config.")
+    args.enable_prefix_caching = False
+    logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, greedy requests only", method)
 
 
 def _hybrid_prefix_caching(args) -> None:

@@ -273,6 +273,12 @@ LEDGER: tuple[Patch, ...] = (
       "CPU generators have no offset: a seeded request whose prompt is chunked killed the engine",
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
       remove_when="vLLM's CPU generators support offsets"),
+    P("vllm.v1.engine.input_processor:InputProcessor._validate_params", ALL,
+      "with --speculative-config, vLLM accepts drafts at a temperature by a probability test: a request's tokens "
+      "would depend on the drafts", "a request at a temperature is refused (400) when the server decodes "
+      "speculatively; greedy verification accepts exactly the tokens decoding without drafts picks",
+      "vllm_bi.patch.sampling:wrap_validate_params", wraps=True,
+      remove_when="speculative verification samples each position keyed by (seed, token index)"),
     P("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu", CPU,
       "as above (the Gumbel-max CPU sampler)", "noise seed drawn by (seed, draw index)",
       "vllm_bi.patch.sampling:sampler_forward_cpu", remove_when="vLLM's CPU generators support offsets"),

@@ -104,3 +104,26 @@ def wrap_update_states(orig):
 
     _update_states._vllm_bi = True
     return _update_states
+
+
+def wrap_validate_params(orig):
+    """A server with speculative decoding takes greedy requests only: vLLM's rejection sampler accepts a draft at a
+    temperature by a probability test, so a request's tokens would depend on the drafts (the greedy test accepts a
+    draft exactly when it is the token decoding without drafts picks). Refused with a 400 naming the fix."""
+
+    @functools.wraps(orig)
+    def _validate_params(self, params, supported_tasks):
+        out = orig(self, params, supported_tasks)
+        from vllm.exceptions import VLLMValidationError
+        from vllm.sampling_params import SamplingParams, SamplingType
+
+        if (getattr(self, "speculative_config", None) is not None and isinstance(params, SamplingParams)
+                and params.sampling_type != SamplingType.GREEDY):
+            raise VLLMValidationError(
+                "vllm_bi: this batch-invariant server decodes speculatively and takes greedy requests only "
+                "(temperature 0): a draft accepted by vLLM's probability test would change the tokens; send "
+                "temperature 0, or serve without --speculative-config", parameter="temperature",
+                value=params.temperature)
+        return out
+
+    return _validate_params

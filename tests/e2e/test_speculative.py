@@ -1,0 +1,122 @@
+"""Speculative decoding with the model's MTP drafter under batch invariance (CPU, recurrent GDN mode).
+
+The criterion: a request's tokens and logprobs with speculation on equal those with speculation off, bit for bit,
+whatever its batch mates (P1), and equal the trainer's recompute (P4). The test model is the tiny Qwen3-Next with one
+random MTP layer and an LM head narrowed to two tokens (rows ``v`` and ``-v``, every other row zero), so that target
+and drafter agree often enough for drafts to be accepted, in runs of different lengths. Negative control: stock vLLM
+(batch invariance off) on the same model and prompts gives other logprob bits with speculation on than off (its
+multi-token verify is another kernel than its decode)."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from vllm_bi.client import ServerError
+from vllm_bi.launcher import VllmServer, cpu_env
+from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+from vllm_bi.parity import trainer_logprobs
+
+pytestmark = pytest.mark.server
+
+K = 3  # draft tokens per step
+ARGS = ["--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--no-enable-prefix-caching"]
+SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
+PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 40, 150)] + [[5, 900, 31, 7, 7, 7, 64, 2]]
+
+
+def add_mtp_layer(src: str, dst: str, seed: int = 1) -> str:
+    """A copy of the tiny model ``src`` with one random MTP layer (a copy of its full-attention layer's shapes) and its
+    LM head narrowed to tokens 7 and 11."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("vllm_bi_tiny.json"))
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = cfg["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    path = os.path.join(dst, "model.safetensors")
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    full = f"model.layers.{cfg['layer_types'].index('full_attention')}."
+    for name, t in list(sd.items()):
+        if name.startswith(full):
+            noise = torch.randn(t.shape, generator=g)
+            sd["mtp.layers.0." + name[len(full):]] = (t.float() + 0.1 * noise if t.ndim == 1 else 0.02 * noise).to(t.dtype)
+    H = cfg["hidden_size"]
+    sd["mtp.fc.weight"] = (0.02 * torch.randn(H, 2 * H, generator=g)).to(torch.bfloat16)
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        sd[f"mtp.{name}.weight"] = sd["model.norm.weight"].clone()
+    head = sd["lm_head.weight"]
+    row = head[7].float() * 4
+    narrow = torch.zeros(head.shape)
+    narrow[7], narrow[11] = row, -row
+    sd["lm_head.weight"] = narrow.to(head.dtype)
+    save_file(sd, path, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_model_path, tmp_path_factory):
+    return add_mtp_layer(tiny_model_path("qwen3-next"), str(tmp_path_factory.mktemp("mtp") / "qwen3-next-mtp"))
+
+
+def _greedy(srv, prompts, max_tokens=24):
+    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens) for p in prompts])
+
+
+@pytest.fixture(scope="module")
+def served(mtp_model):
+    """Greedy completions of every prompt from a batch-invariant server with and without speculation; with it, also
+    each prompt alone, the server's acceptance counters and its answer to a request at a temperature."""
+    out = {}
+    env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
+    with VllmServer(mtp_model, env=env, args=ARGS) as srv:
+        out["plain"] = _greedy(srv, PROMPTS)
+    with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
+        out["spec"] = _greedy(srv, PROMPTS)
+        out["alone"] = [_greedy(srv, [p])[0] for p in PROMPTS]
+        out["accepted"] = srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total")
+        out["drafted"] = srv.metric_sum("vllm:spec_decode_num_draft_tokens_total")
+        with pytest.raises(ServerError) as refused:
+            srv.complete(PROMPTS[0], max_tokens=4, temperature=1.0, seed=3)
+        out["refused"] = str(refused.value)
+        out["after"] = _greedy(srv, PROMPTS[:1])[0]
+    return out
+
+
+def test_speculation_changes_no_bit_and_drafts_are_accepted(served):
+    assert served["drafted"] > 0 and 0 < served["accepted"] < served["drafted"], served  # some drafts kept, some not
+    for plain, spec in zip(served["plain"], served["spec"]):
+        assert spec.token_ids == plain.token_ids
+        assert spec.logprobs == plain.logprobs  # the same floats: the same bits
+    assert len({tuple(c.token_ids) for c in served["spec"]}) > 1  # the narrowed head still gives different runs
+
+
+def test_speculation_batch_invariant(served):
+    for alone, busy in zip(served["alone"], served["spec"]):
+        assert alone.token_ids == busy.token_ids and alone.logprobs == busy.logprobs
+
+
+def test_trainer_recompute_equals_speculative_server(served, mtp_model):
+    model = QwenGDNForCausalLM.from_pretrained(mtp_model)
+    assert trainer_logprobs(model, served["spec"]) == [c.logprobs for c in served["spec"]]
+
+
+def test_sampling_at_a_temperature_refused_server_keeps_serving(served):
+    assert "greedy requests only" in served["refused"] and "temperature 0" in served["refused"]
+    assert served["after"].token_ids == served["spec"][0].token_ids
+
+
+def test_stock_speculation_changes_logprob_bits(mtp_model):
+    """Negative control: without batch invariance the same drafter changes the served logprobs' bits."""
+    env = cpu_env(False)
+    with VllmServer(mtp_model, batch_invariant=False, env=env, args=ARGS) as srv:
+        plain = _greedy(srv, PROMPTS)
+    with VllmServer(mtp_model, batch_invariant=False, env=env, args=ARGS + SPEC) as srv:
+        spec = _greedy(srv, PROMPTS)
+    assert any(p.logprobs != s.logprobs for p, s in zip(plain, spec))
