@@ -1,7 +1,7 @@
 """Speculative decoding with the model's MTP drafter under batch invariance (CPU, recurrent GDN mode).
 
 The criterion: a request's tokens and logprobs with speculation on equal those with speculation off, bit for bit,
-whatever its batch mates (P1), and equal the trainer's recompute (P4). The test model is the tiny Qwen3-Next with one
+greedy or seeded at a temperature, whatever its batch mates (P1), and equal the trainer's recompute (P4). The test model is the tiny Qwen3-Next with one
 random MTP layer and an LM head narrowed to two tokens (rows ``v`` and ``-v``, every other row zero), so that target
 and drafter agree often enough for drafts to be accepted, in runs of different lengths. Negative control: stock vLLM
 (batch invariance off) on the same model and prompts gives other logprob bits with speculation on than off (its
@@ -69,6 +69,11 @@ def _greedy(srv, prompts, max_tokens=24):
     return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens) for p in prompts])
 
 
+def _sampled(srv, prompts, max_tokens=24):
+    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=100 + i)
+                              for i, p in enumerate(prompts)])
+
+
 @pytest.fixture(scope="module")
 def served(mtp_model):
     """Greedy completions of every prompt from a batch-invariant server with and without speculation; with it, also
@@ -77,13 +82,16 @@ def served(mtp_model):
     env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
     with VllmServer(mtp_model, env=env, args=ARGS) as srv:
         out["plain"] = _greedy(srv, PROMPTS)
+        out["plain_sampled"] = _sampled(srv, PROMPTS)
     with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
         out["spec"] = _greedy(srv, PROMPTS)
+        out["spec_sampled"] = _sampled(srv, PROMPTS)
         out["alone"] = [_greedy(srv, [p])[0] for p in PROMPTS]
         out["accepted"] = srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total")
         out["drafted"] = srv.metric_sum("vllm:spec_decode_num_draft_tokens_total")
         with pytest.raises(ServerError) as refused:
-            srv.complete(PROMPTS[0], max_tokens=4, temperature=1.0, seed=3)
+            srv._post("/v1/completions", {"model": srv.model, "prompt": PROMPTS[0], "max_tokens": 4,
+                                          "repetition_penalty": 1.3})
         out["refused"] = str(refused.value)
         out["after"] = _greedy(srv, PROMPTS[:1])[0]
     return out
@@ -97,6 +105,15 @@ def test_speculation_changes_no_bit_and_drafts_are_accepted(served):
     assert len({tuple(c.token_ids) for c in served["spec"]}) > 1  # the narrowed head still gives different runs
 
 
+def test_speculation_at_a_temperature_changes_no_bit(served):
+    """Seeded sampling at temperature 1: each position's sample is keyed to the request's seed and its token index,
+    and a draft is kept only when it equals that sample."""
+    for plain, spec in zip(served["plain_sampled"], served["spec_sampled"]):
+        assert spec.token_ids == plain.token_ids and spec.logprobs == plain.logprobs
+    greedy = [c.token_ids for c in served["spec"]]
+    assert [c.token_ids for c in served["spec_sampled"]] != greedy  # sampling, not greedy decoding
+
+
 def test_speculation_batch_invariant(served):
     for alone, busy in zip(served["alone"], served["spec"]):
         assert alone.token_ids == busy.token_ids and alone.logprobs == busy.logprobs
@@ -104,11 +121,12 @@ def test_speculation_batch_invariant(served):
 
 def test_trainer_recompute_equals_speculative_server(served, mtp_model):
     model = QwenGDNForCausalLM.from_pretrained(mtp_model)
-    assert trainer_logprobs(model, served["spec"]) == [c.logprobs for c in served["spec"]]
+    done = served["spec"] + served["spec_sampled"]
+    assert trainer_logprobs(model, done) == [c.logprobs for c in done]
 
 
-def test_sampling_at_a_temperature_refused_server_keeps_serving(served):
-    assert "greedy requests only" in served["refused"] and "temperature 0" in served["refused"]
+def test_penalty_refused_server_keeps_serving(served):
+    assert "repetition_penalty makes a token's sample depend on the draft tokens" in served["refused"]
     assert served["after"].token_ids == served["spec"][0].token_ids
 
 

@@ -4,7 +4,7 @@
 - :mod:`~vllm_bi.patch.gdn_backend` — the GDN backend and layer forward, state shapes, the hybrid mode's wiring;
 - :mod:`~vllm_bi.patch.cpu_layers` — the op library in vLLM's linear, norm, activation, rotary and logprob layers;
 - :mod:`~vllm_bi.patch.cpu_moe`, :mod:`~vllm_bi.patch.cuda_moe` — MoE router and experts;
-- :mod:`~vllm_bi.patch.sampling` — seeded CPU sampling keyed by (seed, draw index); greedy-only requests with speculative decoding;
+- :mod:`~vllm_bi.patch.sampling` — seeded CPU sampling keyed by (seed, draw index); exact-match verification of speculative drafts;
 - :mod:`~vllm_bi.patch.cuda_ops` — CUDA-only entry points and vLLM-kernel norm fixes;
 - :mod:`~vllm_bi.patch.aten_overrides` — aten overrides routed to the op library;
 - :mod:`~vllm_bi.patch.worker_rpc` — worker methods a trainer calls (weight digest, settings);

@@ -4,8 +4,8 @@
 runs once, in the process that builds the engine, before any model is loaded:
 
 - the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
-- speculative decoding: the MTP drafter in the recurrent GDN mode on CPU, greedy requests, prefix caching off
-  (anything else refused with the fix);
+- speculative decoding: the MTP drafter in the recurrent GDN mode on CPU, drafts verified by exact match, prefix
+  caching off (anything else refused with the fix);
 - CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
   ``VLLM_BI_CUDA_GRAPHS`` resolves to ``decode`` (:meth:`vllm_bi.settings.Settings.decode_graphs`,
   :func:`_check_graphs`) and runs every other step eagerly, with TRITON_ATTN as the attention backend when none
@@ -138,10 +138,9 @@ def _check_speculative(args, platform) -> None:
     """``--speculative-config`` under batch invariance: the model's MTP drafter, in the recurrent GDN mode, on CPU,
     without prefix caching (vLLM's CPU build has no kernel for the state copies that prefix caching with
     speculative decoding needs). Each verified row has a one-token decode's bits
-    (:mod:`vllm_bi.model_executor.gdn_spec`), and greedy verification accepts a draft exactly when it is the
-    token plain decoding would pick, so a request's tokens and logprobs are those of decoding without drafts.
-    Sampling at a temperature is refused per request (``InputProcessor`` patch): vLLM's rejection sampler
-    accepts by a probability test, which changes the tokens."""
+    (:func:`vllm_bi.model_executor.gdn.verify_rows`), and verification keeps a draft exactly when it equals the
+    sample decoding without drafts would draw at that position (:func:`vllm_bi.patch.sampling.verify_drafts`), so a
+    request's tokens and logprobs are those of decoding without drafts."""
     spec = args.speculative_config
     spec = spec if isinstance(spec, dict) else vars(spec) if hasattr(spec, "__dict__") else {}
     method = spec.get("method")
@@ -161,12 +160,16 @@ def _check_speculative(args, platform) -> None:
         raise BatchInvarianceConfigError(
             f"vllm_bi: speculative decoding runs in the recurrent GDN mode only (VLLM_BI_GDN_MODE is {mode!r}); "
             "set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config.")
+    if str(getattr(args, "logprobs_mode", "raw_logprobs")).startswith("processed"):
+        raise BatchInvarianceConfigError(
+            "vllm_bi: speculative decoding returns raw logprobs under batch invariance; drop --logprobs-mode or "
+            "--speculative-config.")
     if args.enable_prefix_caching:
         raise BatchInvarianceConfigError(
             "vllm_bi: speculative decoding with prefix caching needs a state-copy kernel vLLM's CPU build lacks; drop "
             "--enable-prefix-caching or --speculative-config.")
     args.enable_prefix_caching = False
-    logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, greedy requests only", method)
+    logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, drafts verified by exact match", method)
 
 
 def _hybrid_prefix_caching(args) -> None:

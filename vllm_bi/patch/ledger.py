@@ -274,11 +274,15 @@ LEDGER: tuple[Patch, ...] = (
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
       remove_when="vLLM's CPU generators support offsets"),
     P("vllm.v1.engine.input_processor:InputProcessor._validate_params", ALL,
-      "with --speculative-config, vLLM accepts drafts at a temperature by a probability test: a request's tokens "
-      "would depend on the drafts", "a request at a temperature is refused (400) when the server decodes "
-      "speculatively; greedy verification accepts exactly the tokens decoding without drafts picks",
+      "with --speculative-config, penalties, min_tokens and bad words make a position's sample depend on the draft "
+      "tokens before it", "such a request is refused (400) when the server decodes speculatively",
       "vllm_bi.patch.sampling:wrap_validate_params", wraps=True,
-      remove_when="speculative verification samples each position keyed by (seed, token index)"),
+      remove_when="speculative verification replays each position's sampler state"),
+    P("vllm.v1.sample.rejection_sampler:RejectionSampler.forward", CPU,
+      "vLLM accepts a draft at a temperature by a probability test, and its bonus token takes the step's first "
+      "draw: a request's tokens depend on the drafts", "exact-match verification: each position sampled by the "
+      "sampler itself, a seeded draw keyed to the output token index; a draft kept while it equals that sample",
+      "vllm_bi.patch.sampling:verify_drafts", remove_when="vLLM verifies drafts by exact match on a keyed sample"),
     P("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu", CPU,
       "as above (the Gumbel-max CPU sampler)", "noise seed drawn by (seed, draw index)",
       "vllm_bi.patch.sampling:sampler_forward_cpu", remove_when="vLLM's CPU generators support offsets"),

@@ -11,7 +11,8 @@ import functools
 
 import torch
 
-__all__ = ["BIGenerator", "random_sample", "sampler_forward_cpu", "wrap_update_states"]
+__all__ = ["BIGenerator", "random_sample", "sampler_forward_cpu", "wrap_update_states", "verify_drafts",
+           "wrap_validate_params"]
 
 
 class BIGenerator(torch.Generator):
@@ -106,24 +107,76 @@ def wrap_update_states(orig):
     return _update_states
 
 
+def verify_drafts(self, metadata, draft_probs, logits, sampling_metadata):
+    """``RejectionSampler.forward`` under batch invariance: exact-match verification.
+
+    Position ``j`` of every request (its ``j``-th draft's row, or its bonus row past its drafts) is sampled by the
+    sampler itself, the call a step without drafts makes, with a seeded request's draw keyed to its output token
+    index (:class:`BIGenerator`); a draft is kept while it equals that sample, the first sample that differs (or the
+    bonus row's, when every draft is kept) ends the step. So a request's tokens are those decoding without drafts
+    gives, at any temperature, and its logprobs come from the same raw logits rows. ``draft_probs`` is not used:
+    the drafter decides how many tokens a step keeps, never which."""
+    from dataclasses import replace
+
+    from vllm.v1.outputs import SamplerOutput
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+    n = [int(x) for x in metadata.num_draft_tokens]
+    starts = [0]
+    for x in n:
+        starts.append(starts[-1] + x)
+    target, bonus = metadata.target_logits_indices.tolist(), metadata.bonus_logits_indices.tolist()
+    drafts = metadata.draft_token_ids.tolist()
+    gens = {i: g for i, g in sampling_metadata.generators.items() if isinstance(g, BIGenerator)}
+    first = {i: g.bi_draws for i, g in gens.items()}
+    plain = replace(sampling_metadata, max_num_logprobs=None, logprob_token_ids=None)
+    picks = []
+    for j in range(max(n, default=0) + 1):
+        rows = [target[starts[i] + j] if j < n[i] else bonus[i] for i in range(len(n))]
+        for i, g in gens.items():
+            g.bi_draws = first[i] + j
+        picks.append(self.sampler(logits[rows], plain).sampled_token_ids[:, 0].tolist())
+    out = torch.full((len(n), metadata.max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int32,
+                     device=logits.device)
+    for i in range(len(n)):
+        kept = 0
+        while kept < n[i] and picks[kept][i] == drafts[starts[i] + kept]:
+            kept += 1
+        tokens = drafts[starts[i] : starts[i] + kept] + [picks[kept][i]]
+        out[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int32)
+        if i in gens:
+            gens[i].bi_draws = first[i] + len(tokens)
+    logprobs = None
+    if sampling_metadata.max_num_logprobs is not None:
+        raw = logits[metadata.target_logits_indices].to(torch.float32)
+        logprobs = self._get_logprobs_tensors(sampling_metadata.max_num_logprobs, metadata, logits, raw,
+                                              logits[metadata.bonus_logits_indices].to(torch.float32), out)
+    return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
 def wrap_validate_params(orig):
-    """A server with speculative decoding takes greedy requests only: vLLM's rejection sampler accepts a draft at a
-    temperature by a probability test, so a request's tokens would depend on the drafts (the greedy test accepts a
-    draft exactly when it is the token decoding without drafts picks). Refused with a 400 naming the fix."""
+    """A server with speculative decoding refuses (400, naming the fix) what makes a position's sample depend on the
+    tokens before it in a way the verification cannot replay: penalties, ``min_tokens`` and bad words. Temperature,
+    top-k, top-p, min-p, logit bias, allowed tokens and seeds are per-row and taken as they are."""
 
     @functools.wraps(orig)
     def _validate_params(self, params, supported_tasks):
         out = orig(self, params, supported_tasks)
         from vllm.exceptions import VLLMValidationError
-        from vllm.sampling_params import SamplingParams, SamplingType
+        from vllm.sampling_params import SamplingParams
 
-        if (getattr(self, "speculative_config", None) is not None and isinstance(params, SamplingParams)
-                and params.sampling_type != SamplingType.GREEDY):
+        if getattr(self, "speculative_config", None) is None or not isinstance(params, SamplingParams):
+            return out
+        bad = [name for name, on in (("presence_penalty", params.presence_penalty != 0),
+                                     ("frequency_penalty", params.frequency_penalty != 0),
+                                     ("repetition_penalty", params.repetition_penalty != 1),
+                                     ("min_tokens", params.min_tokens > 0), ("bad_words", bool(params.bad_words)))
+               if on]
+        if bad:
             raise VLLMValidationError(
-                "vllm_bi: this batch-invariant server decodes speculatively and takes greedy requests only "
-                "(temperature 0): a draft accepted by vLLM's probability test would change the tokens; send "
-                "temperature 0, or serve without --speculative-config", parameter="temperature",
-                value=params.temperature)
+                f"vllm_bi: this batch-invariant server decodes speculatively, and {bad[0]} makes a token's sample "
+                "depend on the draft tokens before it; drop it, or serve without --speculative-config",
+                parameter=bad[0], value=getattr(params, bad[0]))
         return out
 
     return _validate_params
