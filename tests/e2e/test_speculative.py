@@ -159,3 +159,14 @@ def test_rl_trainer_with_speculation_at_zero_gap(mtp_model, tmp_path):
     drafted = sum(int(x) for x in re.findall(r"Drafted: (\d+) tokens", log))
     accepted = sum(int(x) for x in re.findall(r"Accepted: (\d+) tokens", log))
     assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_qwen3_5_drafter_trainer_equals_server(tiny_model_path, tmp_path):
+    """Qwen3.5's own MTP drafter (vllm_bi's text-only ``Qwen3_5MTP``: vLLM's imports the vision tower), greedy and
+    seeded at temperature 1: drafts accepted, and every token's logprob equals the trainer's."""
+    model = add_mtp_layer(tiny_model_path("qwen3.5"), str(tmp_path / "qwen3.5-mtp"))
+    with VllmServer(model, env=cpu_env(True), args=ARGS + SPEC) as srv:
+        done = _greedy(srv, PROMPTS) + _sampled(srv, PROMPTS)
+        accepted = srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted > 0
+    assert trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model), done) == [c.logprobs for c in done]

@@ -220,7 +220,8 @@ LEDGER: tuple[Patch, ...] = (
         "text-only classes built from Qwen3-Next's layers", f"vllm_bi.model_executor.models.qwen3_5_text:{cls}",
         remove_when="vLLM's Qwen3.5 model imports without torchvision", kind="model")
       for arch, cls in (("Qwen3_5ForCausalLM", "Qwen3_5TextForCausalLM"),
-                        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextForCausalLM"))),
+                        ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextForCausalLM"),
+                        ("Qwen3_5MTP", "Qwen3_5TextMTP"), ("Qwen3_5MoeMTP", "Qwen3_5MoeTextMTP"))),
     P("vllm.v1.worker.gpu_worker:Worker.load_model", CUDA,
       "VLLM_BI_GEMM_CONFIGS=tune: the Triton GEMM's tiles must be chosen for this device and the loaded model's "
       "shapes before the first product", "after loading: the cached table, or tune and cache one (ops.gemm_tune)",

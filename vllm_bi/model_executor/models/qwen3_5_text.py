@@ -26,11 +26,13 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.fused_moe.utils import is_model_fused_shared_expert_compatible
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+from vllm.model_executor.layers.linear import ColumnParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsPP
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
+from vllm.model_executor.models.qwen3_next_mtp import Qwen3NextMTP, Qwen3NextMultiTokenPredictor
 from vllm.model_executor.models.qwen3_next import (
     Qwen3NextAttention,
     Qwen3NextDecoderLayer,
@@ -49,13 +51,15 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-__all__ = ["Qwen3_5TextForCausalLM", "Qwen3_5MoeTextForCausalLM"]
+__all__ = ["Qwen3_5TextForCausalLM", "Qwen3_5MoeTextForCausalLM", "Qwen3_5TextMTP", "Qwen3_5MoeTextMTP"]
 
 _MOE_TYPE = "qwen3_5_moe_text"
 
 
 def _is_moe(config) -> bool:
-    return getattr(config, "model_type", "") == _MOE_TYPE
+    # a drafter's config says qwen3_5_mtp for both families; its architecture names the MoE one
+    return getattr(config, "model_type", "") == _MOE_TYPE or "Qwen3_5MoeMTP" in (getattr(config, "architectures",
+                                                                                          None) or ())
 
 
 class Qwen3_5TextDecoderLayer(Qwen3NextDecoderLayer):
@@ -186,3 +190,57 @@ class Qwen3_5MoeTextForCausalLM(_Qwen3_5TextBase, QwenNextMixtureOfExperts):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.set_moe_parameters()
 
+
+@support_torch_compile
+class _Qwen3_5TextMTPPredictor(Qwen3NextMultiTokenPredictor):
+    """Qwen3-Next's MTP predictor (and its forward) with Qwen3.5's decoder layer, norms and layer count."""
+
+    hf_to_vllm_mapper = Qwen3_5TextModel.hf_to_vllm_mapper
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.vocab_size = config.vocab_size
+        self.mtp_start_layer_idx = config.num_hidden_layers
+        self.num_mtp_layers = getattr(config, "mtp_num_hidden_layers", None) or 1
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.fc = ColumnParallelLinear(config.hidden_size * 2, config.hidden_size, gather_output=True, bias=False,
+                                       return_bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.fc")
+        self.layers = nn.ModuleList(Qwen3_5TextDecoderLayer(vllm_config, "full_attention", prefix=f"{prefix}.layers.{i}")
+                                    for i in range(self.num_mtp_layers))
+        self.is_fused_shared_expert_enabled = is_model_fused_shared_expert_compatible(
+            self.layers, Qwen3NextSparseMoeBlock, "mlp")
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size)
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.pre_fc_norm_embedding = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def load_weights(self, weights) -> set[str]:
+        if self.is_fused_shared_expert_enabled:  # Qwen3-Next's loader fuses the shared expert (MoE configs only)
+            return super().load_weights(weights)
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+
+@support_torch_compile
+class Qwen3_5TextMTP(Qwen3NextMTP):
+    """``Qwen3_5MTP``, the checkpoint's multi-token-prediction drafter, without vLLM's multimodal imports."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_text_config
+        self.vllm_config, self.quant_config, self.config = vllm_config, vllm_config.quant_config, config
+        self.model = _Qwen3_5TextMTPPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "mtp"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        if _is_moe(config):
+            self.set_moe_parameters()
+
+    def load_weights(self, weights) -> set[str]:
+        # published checkpoints keep the text model under model.language_model.
+        return super().load_weights((name.replace("model.language_model.", "model.", 1), w) for name, w in weights)
+
+
+class Qwen3_5MoeTextMTP(Qwen3_5TextMTP):
+    """``Qwen3_5MoeMTP``."""
