@@ -93,9 +93,9 @@ def main() -> int:
     body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)
     text = [f"# RL step, {' vs '.join(sides)}, {args.model}", "",
             "command: " + shlex.join([sys.executable, *sys.argv]), "", *body]
-    with open(args.out, "w") as f:
-        f.write("\n".join(text) + "\n")
-    print("\n".join(text))
+    from common import emit
+
+    emit("\n".join(text) + "\n", args.out)
     return 0
 
 

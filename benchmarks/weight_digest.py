@@ -95,9 +95,9 @@ def main() -> int:
              "| --- | --- |", *[f"| {name} | {'yes' if ok else 'NO'} |" for name, ok in rows], "",
              f"| path | median s over {args.reps} digests of {args.gib} GiB |", "| --- | ---: |",
              *[f"| {impl} | {statistics.median(t):.3f} |" for impl, t in times.items()]]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    from common import emit
+
+    emit("\n".join(lines) + "\n", args.out)
     return 0 if all(ok for _, ok in rows) else 1
 
 

@@ -123,9 +123,9 @@ def main() -> int:
              "| --- |" + " ---: |" * len(transfers)]
     lines += [f"| {label} | " + " | ".join(f"{rows[t][label]:.2f}" for t in transfers) + " |" for label in labels]
     lines.append(f"| GiB/s, whole push | " + " | ".join(f"{gib / rows[t]['whole push']:.1f}" for t in transfers) + " |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    from common import emit
+
+    emit("\n".join(lines) + "\n", args.out)
     return 0
 
 

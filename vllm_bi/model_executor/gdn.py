@@ -134,28 +134,28 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     md = _metadata(layer)
     if md is None or md.num_actual_tokens == 0:
         return  # profiling / dummy run
-    if getattr(layer, "num_spec", 0):  # a server with speculative decoding: its own step (conv slots of W - 1 + k rows)
-        spec_step(layer, mixed_qkv, b, a, out, md)
-        return
-    if md.num_spec_decodes or md.spec_sequence_masks is not None:
-        raise NotImplementedError("vllm_bi: speculative decoding metadata in a layer without speculative slots")
     conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
     if ssm_cache.dtype != torch.float32:
         raise RuntimeError(
             f"vllm_bi: GDN state cache is {ssm_cache.dtype}, batch invariance needs float32 "
             "(--mamba-ssm-cache-dtype float32)"
         )
-    plan = step_plan(md, mixed_qkv.device)
-    if plan is None:
-        return
-    mode = gdn_mode()
     weight = layer.conv1d.weight
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
     W = weight.shape[-1]
     dev = mixed_qkv.device
-    slot_t = plan.slot_t
     dim_first = is_conv_state_dim_first()
     kv_layout = _kv_layout(dev)
+    if getattr(layer, "num_spec", 0):  # a server with speculative decoding: its own step (conv slots of W - 1 + k rows)
+        spec_step(layer, mixed_qkv, b, a, out, md, conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        return
+    if md.num_spec_decodes or md.spec_sequence_masks is not None:
+        raise NotImplementedError("vllm_bi: speculative decoding metadata in a layer without speculative slots")
+    plan = step_plan(md, dev)
+    if plan is None:
+        return
+    mode = gdn_mode()
+    slot_t = plan.slot_t
     if plan.padded:
         _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first)
         return
@@ -498,11 +498,16 @@ def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, 
         conv_cache[plan.slot_t, tail, :D] = new_conv
 
 
+def _dims(layer) -> tuple:
+    """The GDN core's head dimensions and activation, as :func:`gdn_varlen` takes them after the state."""
+    return layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation
+
+
 def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout) -> torch.Tensor:
     """The recurrent core of one step from conv states ``conv [N, W-1, D]``: fills ``out`` and the state slots,
     returns the new conv states. CUDA: the states are read from and written to their slots in place (one pass
     over them, as stock vLLM's kernel; :mod:`vllm_bi.gdn.slots`). CPU: gathered, run, stored."""
-    dims = (layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation)
+    dims = _dims(layer)
     if kv_layout and _in_place(mixed_qkv.device):
         o, new_conv, _ = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias,
                                     state_memory(ssm_cache, True), *dims, packed=True, slots=plan.slot_t,
@@ -691,29 +696,21 @@ def chunk_state_shape(orig):
 # exact (``patch.engine_config``).
 
 
-def _dims(layer) -> tuple:
-    return layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation
-
-
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
     """Conv slots seen as ``[..., rows, D]`` (vLLM may keep them ``[..., D, rows]``)."""
     return conv.transpose(-1, -2) if dim_first else conv
 
 
-def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor, md) -> None:
-    """One step of a GDN layer in a server with speculative decoding: the requests without drafts (prefills)
-    through the recurrent path on their own tokens, then the speculative requests' rows (:func:`verify_rows`)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-
+def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, out: torch.Tensor, md,
+              conv_cache: torch.Tensor, ssm_cache: torch.Tensor, weight: torch.Tensor, dim_first: bool,
+              kv_layout: bool) -> None:
+    """One step of a GDN layer in a server with speculative decoding (:func:`bi_gdn_core` from its slots and conv
+    weight on): the requests without drafts (prefills) through the recurrent path on their own tokens, then the
+    speculative requests' rows (:func:`verify_rows`)."""
     if gdn_mode() != "recurrent":
         raise RuntimeError(f"vllm_bi: speculative decoding runs in the recurrent GDN mode only, this server runs "
                            f"{gdn_mode()!r}; set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config")
-    conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
-    weight = layer.conv1d.weight
-    weight = weight.reshape(weight.shape[0], weight.shape[-1])
     W = weight.shape[-1]
-    dim_first = is_conv_state_dim_first()
-    kv_layout = _kv_layout(mixed_qkv.device)
     spec = md.spec_sequence_masks is not None
     if not spec or md.num_prefills or md.num_decodes:
         rows = md.non_spec_token_indx if spec else None
