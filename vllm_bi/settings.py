@@ -98,8 +98,8 @@ SETTINGS = (
           "the chunk mode's decode steps on CUDA: planned on the host (eager only), or every block padded to 64 rows "
           f"with its indices built on the device (capturable; the same bits); auto: {CHUNK_DECODE_AUTO_CUDA}"),
     _Spec("logprobs", "auto", ("auto", "torch", "triton"),
-          "log-softmax of the logits (the server's logprobs and the trainer's): the fp32 torch formula, or one Triton "
-          "program per row (CUDA; other bits than the formula's); auto: "
+          "log-softmax of the logits (the server's logprobs and the trainer's): the fp32 torch formula, or two Triton "
+          "kernels over fixed spans of each row (CUDA; other bits than the formula's); auto: "
           f"{LOGPROBS_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("digest", "auto", ("auto", "torch", "triton"),
           "the weight digest's value sums: torch's elementwise kernels, or one fused Triton kernel (CUDA; bf16, fp16 "

@@ -1,7 +1,8 @@
-"""The CUDA path of ``log_softmax`` (``ops.softmax_triton``: one Triton program per row, three passes) run through
-Triton's interpreter on CPU: its logic (masking of a partial last block, the max's guard, widening bf16 input)
-against float64's log-softmax (absolute error <= 2e-5 on logits of scale 8), and a row alone == the same row in a
-batch (exact). Its bits against the torch formula are measured on the GPU (tests/gpu/test_ops_cuda.py)."""
+"""The CUDA path of ``log_softmax`` (``ops.softmax_triton``: each row cut into spans, per-span partials, then the
+output) run through Triton's interpreter on CPU: its logic (masking of a partial last block and span, a span whose
+values are all -inf, the max's guard, widening bf16 input) against float64's log-softmax (absolute error <= 2e-5 on
+logits of scale 8), and a row alone == the same row in a batch (exact). Its speed and bits on a GPU are measured in
+tests/gpu/test_ops_cuda.py and benchmarks/lm_head.py."""
 
 import os
 import subprocess
@@ -15,22 +16,32 @@ pytest.importorskip("triton")
 SCRIPT = textwrap.dedent("""
     import torch
     from vllm_bi.ops.reduce import GPU_BLOCK
-    from vllm_bi.ops.softmax_triton import _forward
+    from vllm_bi.ops.softmax_triton import SPAN, _forward, parts
     torch.manual_seed(0)
-    for n in (1, 5, GPU_BLOCK, 2 * GPU_BLOCK + 3):
+    assert parts(1) == 1 and parts(SPAN) == 1 and parts(SPAN + 1) == 2 and parts(248320) == 31
+    for n in (1, 5, GPU_BLOCK + 3, SPAN + 1, 2 * SPAN + 7):
         for dt in (torch.float32, torch.bfloat16):
             x = (torch.randn(5, n) * 8).to(dt)
             x[1, 0] = float("-inf")
+            x[2] = float("-inf")  # nothing finite: NaN, as log_softmax gives
+            if n > SPAN:
+                x[3, :SPAN] = float("-inf")  # a whole span without a finite max
+                x[4, SPAN:] -= 200.0  # a span far below the row's max
             out = _forward(x)
             assert out.dtype == torch.float32 and out.shape == x.shape
             ref = torch.log_softmax(x.double(), -1)
             fin = torch.isfinite(ref)
             assert torch.equal(fin, torch.isfinite(out)), (n, dt)
+            assert torch.equal(ref.isnan(), out.isnan()), (n, dt)
             err = float((out.double() - ref)[fin].abs().max()) if fin.any() else 0.0
             assert err <= 2e-5, (n, dt, err)
             for i in range(5):
                 one = _forward(x[i : i + 1])
                 assert torch.equal(one.isnan(), out[i : i + 1].isnan()) and torch.equal(one.nan_to_num(7.0), out[i : i + 1].nan_to_num(7.0)), (n, dt, i)
+    # negative control: the same check sees a one-ulp change of the row's normaliser
+    x = torch.randn(3, SPAN + 1) * 8
+    out = _forward(x)
+    assert not torch.equal(out, x - (torch.logsumexp(x.double(), -1, keepdim=True).float().nextafter(torch.tensor(1e9))))
     print("ok")
 """)
 

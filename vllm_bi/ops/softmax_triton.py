@@ -1,23 +1,26 @@
-"""Log-softmax over the last dim as one Triton kernel: the CUDA path of :func:`vllm_bi.ops.softmax.log_softmax`
-under ``VLLM_BI_LOGPROBS=triton`` (off by default).
+"""Log-softmax over the last dim in two Triton kernels: the CUDA path of :func:`vllm_bi.ops.softmax.log_softmax`
+under ``VLLM_BI_LOGPROBS=triton``.
 
-It computes the op library's formula, per row of fp32 values ``x``::
+Each row of ``n`` values is cut into ``parts(n)`` spans of :data:`SPAN` columns (the last one shorter), a number
+that depends on ``n`` alone. Per row, in fp32 (the input widened in registers, read in its own dtype)::
 
-    m   = max(x)                       (0 where the max is not finite)
-    s   = sum(exp(x - m))              (GPU_BLOCK lanes, each adding its columns in order, then one tree)
-    out = x - (m + log(s))
+    kernel 1, one program per (row, span j):
+        m_j = max(x[span j])                     (taken as 0 for the sum where it is not finite)
+        s_j = sum(exp(x[span j] - m_j))          (GPU_BLOCK lanes, each adding its columns in order, then one tree)
+    kernel 2, one program per (row, span j), each computing the same lse from the row's partials:
+        M   = max_j m_j                          (0 where not finite)
+        s   = sum_j s_j * exp(m_j - M)           (over a fixed-width vector of the row's spans, then one tree)
+        out[span j] = x[span j] - (M + log(s))
 
-On CUDA the torch formula is seven kernels and eight passes over the logits (the fp32 copy, the max, the
-difference, ``exp``, the sum, the output); this kernel is one program per row and three passes (the max, the
-lanes' sums, the output), reading the input in its own dtype and widening it to fp32 in registers. ``exp`` and
-``log`` are libdevice's ``expf`` and ``logf``.
+A 64-row decode step thus runs 64 x 31 programs at a 248,320-token vocabulary, where one program per row would leave
+half of an H100's SMs idle; the logits are read three times (the second read of a span from cache) and the output written
+once, against the torch formula's eight passes over an fp32 copy.
 
-Batch invariance holds by construction: one program per row, nothing shared, and nothing but the row length reaches
-the kernel's configuration. Its bits are not the torch formula's: on the H200, at a 248,320-token vocabulary, fp32
-input gave the formula's bits but bf16 input differed on some of 256 rows (the order in which ``tl.sum`` adds the
-lanes follows the block's register layout, which the load of a 2-byte dtype may change; not confirmed). Server and
-trainer must therefore agree on the setting (it is part of :meth:`vllm_bi.settings.Settings.arithmetic`). The
-backward is the analytic one in torch (gradients need accuracy, not bits).
+Batch invariance holds by construction: a row's programs read only that row, and only ``n`` reaches the launch
+(the span count, the block widths, the warps). The bits are not the torch formula's (another summation order), so
+server and trainer must agree on the setting; it is part of :meth:`vllm_bi.settings.Settings.arithmetic`. ``exp``
+and ``log`` are libdevice's ``expf`` and ``logf`` on CUDA. The backward is the analytic one in torch (gradients need
+accuracy, not bits).
 """
 
 from __future__ import annotations
@@ -26,66 +29,110 @@ import torch
 
 from vllm_bi.ops.reduce import GPU_BLOCK, ROW_SUM_WARPS
 
-__all__ = ["fused_log_softmax"]
+__all__ = ["fused_log_softmax", "parts", "SPAN"]
 
-_KERNEL = None
+SPAN = 8 * GPU_BLOCK  # columns per program; a multiple of GPU_BLOCK, so spans start on a block of lanes
+
+_KERNELS = None
 
 
-def _kernel():
-    global _KERNEL
-    if _KERNEL is None:
+def parts(n: int) -> int:
+    """How many spans a row of ``n`` values is cut into (a function of ``n`` only)."""
+    return max(1, -(-n // SPAN))
+
+
+def _kernels():
+    global _KERNELS
+    if _KERNELS is None:
         import triton
         import triton.language as tl
         import triton.language.extra.libdevice  # noqa: F401  (tl.extra.libdevice below)
 
         @triton.jit
-        def log_softmax_rows_kernel(x_ptr, out_ptr, n, stride_x, stride_o, BLOCK: tl.constexpr,
-                                    LIBDEVICE: tl.constexpr):
+        def span_partials_kernel(x_ptr, m_ptr, s_ptr, n, stride_x, n_parts, SPAN: tl.constexpr, BLOCK: tl.constexpr,
+                                 LIBDEVICE: tl.constexpr):
             row = tl.program_id(0).to(tl.int64)
+            part = tl.program_id(1)
             xr = x_ptr + row * stride_x
             lanes = tl.arange(0, BLOCK)
+            lo = part * SPAN
             mx = tl.full([BLOCK], float("-inf"), tl.float32)
-            for start in range(0, n, BLOCK):
-                offs = start + lanes
+            for start in range(0, SPAN, BLOCK):
+                offs = lo + start + lanes
                 v = tl.load(xr + offs, mask=offs < n, other=float("-inf")).to(tl.float32)
                 mx = tl.maximum(mx, v)
             m = tl.max(mx, axis=0)
-            m = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
+            m0 = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
             acc = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, n, BLOCK):
-                offs = start + lanes
+            for start in range(0, SPAN, BLOCK):
+                offs = lo + start + lanes
                 live = offs < n
                 v = tl.load(xr + offs, mask=live, other=0.0).to(tl.float32)
-                if LIBDEVICE:  # torch's CUDA expf / logf
-                    e = tl.extra.libdevice.exp(v - m)
+                if LIBDEVICE:  # torch's CUDA expf
+                    e = tl.extra.libdevice.exp(v - m0)
                 else:  # Triton's CPU interpreter (no libdevice): the logic only
-                    e = tl.exp(v - m)
+                    e = tl.exp(v - m0)
                 acc += tl.where(live, e, 0.0)
             s = tl.sum(acc, axis=0)
+            tl.store(m_ptr + row * n_parts + part, m)
+            tl.store(s_ptr + row * n_parts + part, s)
+
+        @triton.jit
+        def span_output_kernel(x_ptr, m_ptr, s_ptr, out_ptr, n, stride_x, stride_o, n_parts, SPAN: tl.constexpr,
+                               BLOCK: tl.constexpr, PARTS: tl.constexpr, LIBDEVICE: tl.constexpr):
+            row = tl.program_id(0).to(tl.int64)
+            part = tl.program_id(1)
+            js = tl.arange(0, PARTS)
+            have = js < n_parts
+            mj = tl.load(m_ptr + row * n_parts + js, mask=have, other=float("-inf"))
+            sj = tl.load(s_ptr + row * n_parts + js, mask=have, other=0.0)
+            big = tl.max(mj, axis=0)
+            big = tl.where((big == big) & (tl.abs(big) != float("inf")), big, 0.0)
+            mj0 = tl.where((mj == mj) & (tl.abs(mj) != float("inf")), mj, 0.0)
+            # a span without a finite max adds its own sum (0 for all -inf; inf or NaN are passed on)
             if LIBDEVICE:
-                lse = m + tl.extra.libdevice.log(s)
+                scale = tl.extra.libdevice.exp(mj0 - big)
             else:
-                lse = m + tl.log(s)
+                scale = tl.exp(mj0 - big)
+            terms = tl.where(mj == mj0, sj * scale, sj)
+            total = tl.sum(tl.where(have, terms, 0.0), axis=0)
+            if LIBDEVICE:
+                lse = big + tl.extra.libdevice.log(total)
+            else:
+                lse = big + tl.log(total)
+            xr = x_ptr + row * stride_x
             orow = out_ptr + row * stride_o
-            for start in range(0, n, BLOCK):
-                offs = start + lanes
+            lanes = tl.arange(0, BLOCK)
+            lo = part * SPAN
+            for start in range(0, SPAN, BLOCK):
+                offs = lo + start + lanes
                 live = offs < n
                 v = tl.load(xr + offs, mask=live, other=0.0).to(tl.float32)
                 tl.store(orow + offs, v - lse, mask=live)
 
-        _KERNEL = log_softmax_rows_kernel
-    return _KERNEL
+        _KERNELS = (span_partials_kernel, span_output_kernel)
+    return _KERNELS
 
 
 def _forward(x: torch.Tensor) -> torch.Tensor:
+    import triton
+
     lead, n = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    rows = x2.shape[0]
     out = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    if x2.shape[0] and n:
-        _kernel()[(x2.shape[0],)](x2, out, n, x2.stride(0), out.stride(0), BLOCK=GPU_BLOCK,
-                                  LIBDEVICE=x.device.type == "cuda", num_warps=ROW_SUM_WARPS)
+    if rows and n:
+        k = parts(n)
+        m = torch.empty(rows, k, dtype=torch.float32, device=x.device)
+        s = torch.empty(rows, k, dtype=torch.float32, device=x.device)
+        partials, output = _kernels()
+        lib = x.device.type == "cuda"
+        partials[(rows, k)](x2, m, s, n, x2.stride(0), k, SPAN=SPAN, BLOCK=GPU_BLOCK, LIBDEVICE=lib,
+                            num_warps=ROW_SUM_WARPS)
+        output[(rows, k)](x2, m, s, out, n, x2.stride(0), out.stride(0), k, SPAN=SPAN, BLOCK=GPU_BLOCK,
+                          PARTS=max(2, triton.next_power_of_2(k)), LIBDEVICE=lib, num_warps=ROW_SUM_WARPS)
     return out.reshape(*lead, n)
 
 
@@ -105,8 +152,8 @@ class _FusedLogSoftmax(torch.autograd.Function):
 
 
 def fused_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax over the last dim of a CUDA tensor (bf16, fp16 or fp32), one program per row (module doc).
-    Differentiable."""
+    """fp32 log-softmax over the last dim of a CUDA tensor (bf16, fp16 or fp32), each row cut into
+    :func:`parts` spans (module doc). Differentiable."""
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise NotImplementedError(f"vllm_bi fused log-softmax: input dtype {x.dtype} (bf16, fp16 or fp32)")
     return _FusedLogSoftmax.apply(x)
