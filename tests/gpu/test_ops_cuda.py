@@ -67,7 +67,7 @@ def test_row_sum_log_softmax_rms_norm_invariant():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_log_softmax_rows_invariant(dtype, monkeypatch):
     """VLLM_BI_LOGPROBS=triton at Qwen3.5's 248,320-token vocabulary and at an odd width: a row's bits are the same
-    in 1 .. 256 rows and alone (exact); values within 2e-5 of float64's log-softmax on finite logits of scale 4; the
+    in 1 .. 256 rows and alone, in a strided view, at an odd offset and widened to fp32 (exact); values within 2e-5 of float64's log-softmax on finite logits of scale 4; the
     gradient within 1e-4 of float64's. Reported, not asserted: the rows whose bits equal the torch formula's (the
     default). Negative control: a batch of rows through torch's own log_softmax at another batch size differs in
     some bits from the kernel, so the equality checks can fail."""
@@ -77,13 +77,21 @@ def test_fused_log_softmax_rows_invariant(dtype, monkeypatch):
     settings.reload()
     try:
         g = torch.Generator().manual_seed(3)
-        for n in (248320, 1000):
+        for n in (248320, 1000, 3000):
             x = (torch.randn(256, n, generator=g) * 4).to(dtype).to(DEV)
             full = log_softmax(x, -1)
             assert full.dtype == torch.float32
             for m in (1, 7, 64, 255):
                 assert torch.equal(log_softmax(x[:m], -1), full[:m]), (n, m)
             assert torch.equal(log_softmax(x[5:6], -1), full[5:6])
+            # what the compiler may assume of the arguments must not reach the bits: a padded vocabulary's view (as
+            # vLLM slices its logits), a row at an odd offset, the same values in fp32
+            wide = torch.zeros(256, n + 8, dtype=dtype, device=DEV)
+            wide[:, :n] = x
+            flat = torch.zeros(1 + 256 * n, dtype=dtype, device=DEV)
+            flat[1:] = x.reshape(-1)
+            for other in (wide[:, :n], flat[1:].view(256, n), x.float()):
+                assert torch.equal(log_softmax(other, -1), full), (n, other.stride(), other.dtype)
             ref = torch.log_softmax(x.double(), -1)
             assert float((full.double() - ref).abs().max()) <= 2e-5, n
             x32 = x.to(torch.float32)

@@ -1,6 +1,6 @@
 """The CUDA path of ``log_softmax`` (``ops.softmax_triton``: each row cut into spans, per-span partials, then the
 output) run through Triton's interpreter on CPU: its logic (masking of a partial last block and span, a span whose
-values are all -inf, the max's guard, widening bf16 input) against float64's log-softmax (absolute error <= 2e-5 on
+values are all -inf, the max's guard, widening bf16 input, strided and offset views) against float64's log-softmax (absolute error <= 2e-5 on
 logits of scale 8), and a row alone == the same row in a batch (exact). Its speed and bits on a GPU are measured in
 tests/gpu/test_ops_cuda.py and benchmarks/lm_head.py."""
 
@@ -38,6 +38,17 @@ SCRIPT = textwrap.dedent("""
             for i in range(5):
                 one = _forward(x[i : i + 1])
                 assert torch.equal(one.isnan(), out[i : i + 1].isnan()) and torch.equal(one.nan_to_num(7.0), out[i : i + 1].nan_to_num(7.0)), (n, dt, i)
+    # the same values through another dtype, a strided view and an odd offset give the same bits
+    x = torch.randn(6, 3000) * 8
+    ref = _forward(x)
+    wide = torch.full((6, 3008), -1.0)
+    wide[:, :3000] = x
+    flat = torch.empty(1 + 6 * 3000)
+    flat[1:] = x.reshape(-1)
+    for other in (wide[:, :3000], flat[1:].view(6, 3000), x.to(torch.float64).to(torch.float32)):
+        assert torch.equal(_forward(other), ref)
+    xb = x.bfloat16()
+    assert torch.equal(_forward(xb), _forward(xb.float()))
     # negative control: the same check sees a one-ulp change of the row's normaliser
     x = torch.randn(3, SPAN + 1) * 8
     out = _forward(x)
