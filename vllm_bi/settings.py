@@ -65,11 +65,12 @@ GDN_MODE_AUTO_CUDA = "recurrent"
 # here changes which kernels CUDA runs, so it lands with a GPU gate run as DEFAULT_PRESET does.
 CHUNK_DECODE_AUTO_CUDA = "host"
 # What VLLM_BI_LOGPROBS=auto runs on CUDA. The Triton kernel's bits differ from the torch formula's on some rows
-# (measured on the H200 at a 248,320-token vocabulary), so a change here changes CUDA's bits, as DEFAULT_PRESET does.
+# (its sums run in another order), so a change here changes CUDA's bits, as DEFAULT_PRESET does, and lands with a
+# full GPU gate run.
 LOGPROBS_AUTO_CUDA = "torch"
 # What VLLM_BI_DIGEST=auto runs on CUDA. Both implementations give the same weight digests by construction, so this
-# decides no bits of a served token; auto stays on the torch path on CUDA until a GPU run shows that the Triton
-# kernel gives the torch path's digests at full model size (a change of a default CUDA path lands with such a run).
+# decides no bits of a served token. The kernel gave the torch path's digests at full model size on the GPU
+# (benchmarks/weight_digest.py); as a change of a default CUDA path, the switch lands with a full GPU gate run.
 DIGEST_AUTO_CUDA = "torch"
 
 SETTINGS = (
