@@ -79,13 +79,48 @@ CONFIG_CASES = [
      {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}, "enable_prefix_caching": True}),
     ("tp with expert parallelism", "qwen3-next", {"tensor_parallel_size": 2, "enable_expert_parallel": True}),
     ("pipeline parallelism", "qwen3.5", {"pipeline_parallel_size": 2}),
+    # other families' recurrent-state layers, refused at configuration (config.json only: no weights are read)
+    ("Nemotron-H (Mamba2)", "config:NemotronHConfig", {}),
+    ("LFM2 (short convolution)", "config:Lfm2Config", {}),
+    ("Jamba (Mamba)", "config:JambaConfig", {}),
+    ("control: Llama, attention only", "config:LlamaConfig", {}),
 ]
+# small configs for the "config:" cases (the other fields keep transformers' defaults)
+OTHER_FAMILIES = {
+    "NemotronHConfig": {"num_hidden_layers": 2, "hybrid_override_pattern": "M*", "hidden_size": 256,
+                        "mamba_num_heads": 8, "mamba_head_dim": 32, "n_groups": 1, "ssm_state_size": 16,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512},
+    "Lfm2Config": {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"], "hidden_size": 256,
+                   "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2},
+    "JambaConfig": {"num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "hidden_size": 256,
+                    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "num_experts": 1, "mamba_d_state": 16},
+    "LlamaConfig": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512,
+                    "num_attention_heads": 4, "num_key_value_heads": 2},
+}
+
+
+def _config_only_model(root: str, config_class: str, tokenizer_from: str) -> str:
+    """A directory with ``config_class``'s small config (:data:`OTHER_FAMILIES`) and a tiny model's tokenizer."""
+    import transformers
+
+    path = os.path.join(root, config_class)
+    os.makedirs(path, exist_ok=True)
+    cfg = getattr(transformers, config_class)(vocab_size=1024, **OTHER_FAMILIES[config_class])
+    cfg.architectures = [config_class.replace("Config", "ForCausalLM")]
+    cfg.save_pretrained(path)
+    for f in os.listdir(tokenizer_from):
+        if f.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tokenizer_from, f), path)
+    return path
 
 
 @pytest.fixture(scope="module")
-def engine_configs(tiny_model_path):
+def engine_configs(tiny_model_path, tmp_path_factory):
     """``{case: (accepted, detail)}``: detail is the refusal's message, or ``"<ssm cache dtype> <enforce_eager>"``."""
-    cases = [(name, tiny_model_path(family), kw) for name, family, kw in CONFIG_CASES]
+    root = str(tmp_path_factory.mktemp("other_families"))
+    cases = [(name, _config_only_model(root, family[7:], tiny_model_path("qwen3-next")) if family.startswith("config:")
+              else tiny_model_path(family), kw) for name, family, kw in CONFIG_CASES]
     code = (
         "import json, sys\n"
         "from vllm.engine.arg_utils import EngineArgs\n"
@@ -127,6 +162,15 @@ def test_speculative_decoding_other_than_mtp_or_with_prefix_caching_is_refused(e
 def test_unverified_parallelism_is_refused(engine_configs, case, message):
     ok, detail = engine_configs[case]
     assert not ok and message in detail, detail
+
+
+@pytest.mark.parametrize("case,layer", [("Nemotron-H (Mamba2)", "MambaMixer2"),
+                                        ("LFM2 (short convolution)", "ShortConv"), ("Jamba (Mamba)", "MambaMixer")])
+def test_other_families_recurrent_layers_are_refused_at_configuration(engine_configs, case, layer):
+    ok, detail = engine_configs[case]
+    assert not ok and f"has {layer} layers" in detail and "without VLLM_BATCH_INVARIANT=1" in detail, detail
+    ok, detail = engine_configs["control: Llama, attention only"]  # the check tells the families apart
+    assert ok, detail
 
 
 def test_audit_refuses_unknown_layers():

@@ -14,7 +14,9 @@ runs once, in the process that builds the engine, before any model is loaded:
 - every ``VLLM_BI_*`` value is validated (:mod:`vllm_bi.settings`), and the op settings' tables are read;
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
-- the hybrid GDN mode turns prefix caching off and is refused on CUDA.
+- the hybrid GDN mode turns prefix caching off and is refused on CUDA;
+- a model with recurrent-state layers other than the Qwen GDN layer (Mamba, Mamba2, short convolutions, other linear
+  attention) is refused with the layer type named (:mod:`vllm_bi.patch.model_families`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import functools
 import logging
 import os
 
+from vllm_bi.patch import model_families
 from vllm_bi.settings import current as current_settings
 from vllm_bi.settings import reload as reload_settings
 from vllm_bi.settings import TUNE
@@ -108,6 +111,9 @@ def wrap_create_engine_config(orig):
             logger.warning("vllm_bi: VLLM_BI_GEMM_CONFIGS=tune tunes CUDA's Triton GEMM only; ignored here (the "
                            "GEMM is float64)")
         config = orig(self, *args, **kwargs)
+        why = model_families.refusal(config.model_config)  # another family's recurrent-state layers
+        if why:
+            raise BatchInvarianceConfigError(why)
         _check_parallelism(config, current_platform)
         _check_op_settings(current_platform)
         if graphs:
