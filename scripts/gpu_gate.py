@@ -12,8 +12,11 @@ Qwen3.5-9B layer dimensions in the chunk and recurrent modes; and a stock-vLLM c
 
     python3 scripts/gpu_gate.py --out $OUT          # staged by scripts/gpu_run.sh install (docs/gpu.md): about 6 min
 
-Writes ``gpu-gate.json`` (date, device, versions, each job's verdict, the sha256 of every CUDA source) and
-``gpu-gate.md`` to ``--out``; copy the JSON to ``docs/results/gpu-gate.json`` and run
+Writes ``gpu-gate.json`` (date, device, versions, the matrix's job names, each job's verdict, the sha256 of every
+CUDA source) and ``gpu-gate.md`` to ``--out``; a record that lacks a job of the matrix (``--match``, one ``--part``)
+does not verify the tree (``vllm_bi.gpu_gate.status``). Where one device call is too short for the matrix (an H100
+finished 17 of 18 jobs in 600 s), run ``--part 1/2`` and ``--part 2/2`` in two calls and join them with
+``--combine PART1/gpu-gate.json PART2/gate.jsonl``; copy the JSON to ``docs/results/gpu-gate.json`` and run
 ``python -m vllm_bi.gpu_gate --readme README.md``. Heavier GPU checks (cost tables, fuzz) are separate calls.
 """
 
@@ -101,6 +104,18 @@ def versions() -> dict:
             "cuda": torch.version.cuda}
 
 
+def part_of(todo: list, part: str) -> list:
+    """The jobs of ``part`` (``K/N``: every N-th job of the matrix from the K-th, so each part mixes the models), for a
+    gate run over N device calls whose records ``--combine`` joins."""
+    try:
+        k, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise SystemExit(f"gpu_gate.py: --part wants K/N with 1 <= K <= N (e.g. 1/2), got {part!r}")
+    return [jw for i, jw in enumerate(todo) if i % n == k - 1]
+
+
 def job_row(rec: dict, what: dict | None = None) -> dict:
     """The record's row for one job's result (``gpu_suite.run_job``'s dict), with what the job covers."""
     passed = bool(rec.get("passed"))
@@ -129,7 +144,11 @@ def combine(base: str, jsonls: list[str], out: str) -> int:
                 if rec["job"] in rows:
                     continue
                 rows[rec["job"]] = job_row(rec)
+    for name in record.get("matrix", []):  # a job of the matrix that no call finished
+        rows.setdefault(name, {"job": name, "result": "not run", "passed": False, "expect_pass": True,
+                               "as_expected": False})
     record["jobs"] = list(rows.values())
+    record.pop("part", None)
     record["command"] = (f"{record['command']}; combined with the per-job results (gate.jsonl) of {len(jsonls)} "
                          "earlier call(s) at the same sources: python3 scripts/gpu_gate.py --combine ...")
     record["combined_from"] = len(jsonls) + 1
@@ -148,6 +167,8 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=int, default=330)
     ap.add_argument("--stagger", type=float, default=12.0, help="seconds between the first wave's job starts")
     ap.add_argument("--match", default=None, help="comma-separated substrings: only the jobs whose name holds one")
+    ap.add_argument("--part", default=None, help="K/N: run the K-th of N parts of the matrix (one device call each; "
+                    "then --combine the parts' records)")
     ap.add_argument("--combine", nargs="+", metavar="FILE", help="BASE.json JOBS.jsonl ...: write the record of a gate "
                     "split over calls (the first call's gpu-gate.json, the other calls' gate.jsonl) to --out")
     args = ap.parse_args()
@@ -159,6 +180,9 @@ def main() -> int:
 
     t0 = time.time()
     todo = jobs(args.models)
+    matrix = [j.name for j, _ in todo]
+    if args.part:
+        todo = part_of(todo, args.part)
     if args.match:
         todo = [(j, w) for j, w in todo if any(s in j.name for s in args.match.split(","))]
     for j, _ in todo:
@@ -180,8 +204,11 @@ def main() -> int:
     rows = [job_row(rec, what) for (_, what), rec in zip(todo, recs)]
     record = {"date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(),
               "versions": versions(), "command": "python3 scripts/gpu_gate.py --out $OUT"
-              + (f" --match {args.match}" if args.match else ""), "seconds": round(time.time() - t0),
-              "sources": hashes, "sources_hash": combined_hash(hashes), "jobs": rows}
+              + (f" --part {args.part}" if args.part else "") + (f" --match {args.match}" if args.match else ""),
+              "seconds": round(time.time() - t0), "sources": hashes, "sources_hash": combined_hash(hashes),
+              "matrix": matrix, "jobs": rows}
+    if args.part:
+        record["part"] = args.part
     with open(os.path.join(args.out, "gpu-gate.json"), "w") as f:
         json.dump(record, f, indent=1)
     md = S.markdown(recs)

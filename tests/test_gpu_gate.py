@@ -56,6 +56,11 @@ def test_status_names_changed_sources_and_failed_jobs():
     assert not ok and "failed" in line and "qwen3.5 hybrid default" in line, line
     ok, line = G.status(None)
     assert not ok and "no GPU gate record" in line
+    # a record of part of its matrix (--match, one --part) verifies nothing
+    ok, line = G.status(_record(matrix=["qwen3.5 chunk default", "control: stock vLLM qwen3.5"]), G.source_hashes(ROOT))
+    assert not ok and "1 jobs missing" in line and "control: stock vLLM qwen3.5" in line, line
+    ok, line = G.status(_record(matrix=["qwen3.5 chunk default"]), G.source_hashes(ROOT))
+    assert ok, line
 
 
 def test_readme_status_line_is_generated_from_the_record():
@@ -110,11 +115,41 @@ def test_a_gate_split_over_calls_is_combined_only_at_the_same_sources(tmp_path):
     assert [j["job"] for j in rec["jobs"]] == ["control", "qwen3.5 chunk default"]
     assert rec["jobs"][1]["result"] == "8/8 equal, max |diff| 0" and rec["jobs"][1]["as_expected"]
     (tmp_path / "gpu-gate.json").unlink()
+    # a matrix job that no call finished enters the record as not run
+    (tmp_path / "base.json").write_text(json.dumps(dict(base, matrix=["control", "qwen3.5 chunk default",
+                                                                      "qwen3-next chunk default"])))
+    r = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--combine", str(tmp_path / "base.json"),
+                        str(tmp_path / "gate.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 1 and "2/3 as expected" in r.stdout, r.stdout + r.stderr
+    rec = json.loads((tmp_path / "gpu-gate.json").read_text())
+    assert rec["jobs"][2] == {"job": "qwen3-next chunk default", "result": "not run", "passed": False,
+                              "expect_pass": True, "as_expected": False}
+    (tmp_path / "gpu-gate.json").unlink()
     base["sources_hash"] = "0" * 64  # control: another checkout's record
     (tmp_path / "base.json").write_text(json.dumps(base))
     r = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--combine", str(tmp_path / "base.json"),
                         str(tmp_path / "gate.jsonl")], capture_output=True, text=True)
     assert r.returncode == 2 and "other CUDA sources" in r.stderr and not (tmp_path / "gpu-gate.json").exists()
+
+
+def test_the_matrix_splits_into_parts_that_cover_it_once(tmp_path):
+    """``gpu_gate.py --part K/N``: the parts are disjoint and together the whole matrix, each holds the jobs of more
+    than one model, and a malformed part is refused in one line."""
+    import sys
+
+    sys.path[:0] = [os.path.join(ROOT, "scripts")]
+    try:
+        import gpu_gate as script
+    finally:
+        del sys.path[:1]
+    todo = script.jobs(str(tmp_path))
+    names = [j.name for j, _ in todo]
+    parts = [[j.name for j, _ in script.part_of(todo, f"{k}/2")] for k in (1, 2)]
+    assert sorted(parts[0] + parts[1]) == sorted(names) and not set(parts[0]) & set(parts[1])
+    assert all(len({w["model"] for j, w in todo if j.name in p}) > 1 for p in parts)
+    for bad in ("3/2", "0/2", "half"):
+        with pytest.raises(SystemExit, match="--part wants K/N"):
+            script.part_of(todo, bad)
 
 
 def test_gpu_run_refuses_to_skip_the_install_on_a_fresh_machine(tmp_path):

@@ -93,8 +93,8 @@ def load_record(path: str | None = None) -> dict | None:
 
 
 def status(record: dict | None, hashes: dict[str, str] | None = None) -> tuple[bool, str]:
-    """``(verified, one line)``: verified when the record's jobs all passed and every CUDA source hashes as it
-    did then."""
+    """``(verified, one line)``: verified when the record's jobs all passed, cover its matrix (records that list one),
+    and every CUDA source hashes as it did then."""
     if record is None:
         return False, f"no GPU gate record ({RECORD}): the CUDA paths of this tree were never gated"
     hashes = hashes if hashes is not None else source_hashes()
@@ -105,6 +105,10 @@ def status(record: dict | None, hashes: dict[str, str] | None = None) -> tuple[b
     failed = [j["job"] for j in record.get("jobs", []) if not j.get("as_expected")]
     if failed or not record.get("jobs"):
         return False, f"the last GPU gate ({record.get('date', '?')}) failed: {'; '.join(failed) or 'no jobs ran'}"
+    missing = sorted(set(record.get("matrix", [])) - {j["job"] for j in record["jobs"]})
+    if missing:
+        return False, (f"the last GPU gate ({record.get('date', '?')}) ran part of its matrix: "
+                       f"{len(missing)} jobs missing ({'; '.join(missing)})")
     return True, f"GPU-verified: {readme_line(record)}"
 
 
