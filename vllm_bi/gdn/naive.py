@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["naive_gdn", "naive_causal_conv1d"]
+__all__ = ["naive_gdn", "naive_delta_rule", "naive_causal_conv1d"]
 
 
 def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
@@ -28,6 +28,31 @@ def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
             qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
             kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
             S = S_h[h] * torch.exp(g[t, h])
+            S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
+            S_h[h] = S
+            o_t.append(S @ qt)
+        rows.append(torch.stack(o_t))
+    return torch.stack(rows), torch.stack(S_h)
+
+
+def naive_delta_rule(q, k, v, g, beta, state, eps: float = 1e-6):
+    """The gated delta rule from its log decay ``g`` and ``beta`` directly, float64: ``q, k [T, H, K]``,
+    ``v [T, HV, V]``, ``beta [T, HV]``, ``g [T, HV]`` (one decay per head) or ``[T, HV, K]`` (one per key channel,
+    Kimi Delta Attention); state ``[HV, V, K]`` -> (o [T, HV, V], state). Per head: ``S <- S diag(exp(g_t))``,
+    ``S <- S + beta_t (v_t - S k_t) k_t^T``, ``o_t = S q_t``."""
+    q, k, v, g, beta = q.double(), k.double(), v.double(), g.double(), beta.double()
+    S_h = [state[h].double() for h in range(state.shape[0])]
+    T, H, K = q.shape
+    HV = v.shape[1]
+    rows = []
+    for t in range(T):
+        o_t = []
+        for h in range(HV):
+            hk = h // (HV // H)
+            qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
+            kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
+            decay = torch.exp(g[t, h]) * torch.ones(K, dtype=torch.float64)  # [K], per channel or repeated
+            S = S_h[h] @ torch.diag(decay)
             S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
             S_h[h] = S
             o_t.append(S @ qt)

@@ -87,7 +87,9 @@ def gdn_recurrent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one sequence through the recurrence; returns ``(o [T, HV, V] fp32, final state)``.
 
-    ``q`` and ``k`` are raw (l2-normalised here). ``state`` is not modified.
+    ``q`` and ``k`` are raw (l2-normalised here). ``state`` is not modified. ``g`` is the log decay: ``[T, HV]``, one
+    per head (GDN), or ``[T, HV, K]``, one per key channel (Kimi Delta Attention's channel-wise gate); a per-channel
+    ``g`` equal across ``K`` gives the per-head one's bits.
     """
     if q.device.type != "cpu":
         raise NotImplementedError(
@@ -98,11 +100,12 @@ def gdn_recurrent(
     v32 = v.float()
     decay = pointwise.exp(g.float())
     beta = beta.float()
+    gate_shape = (HV, 1, 1) if decay.dim() == 2 else (HV, 1, decay.shape[-1])  # the state is [HV, V, K]
     S = state.clone()
     out = torch.empty((T, HV, V), dtype=torch.float32)
     for t in range(T):
         k_t = kn[t].unsqueeze(1)  # [HV, 1, K]
-        S = S * decay[t].view(HV, 1, 1)
+        S = S * decay[t].view(gate_shape)
         kv = row_sum(S * k_t).squeeze(-1)  # [HV, V]
         delta = (v32[t] - kv) * beta[t].view(HV, 1)
         S = S + delta.unsqueeze(-1) * k_t
@@ -217,7 +220,8 @@ def _warn_fallback(e: Exception) -> None:
 def gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale):
     """The gated delta rule in differentiable torch ops, fla-core's layout and conventions.
 
-    ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g, beta [1, T, HV]`` (fp32), ``h0 [N, HV, K, V]`` fp32,
+    ``q, k [1, T, H, K]``, ``v [1, T, HV, V]``, ``g, beta [1, T, HV]`` (fp32; ``g`` may be ``[1, T, HV, K]``, a
+    decay per key channel), ``h0 [N, HV, K, V]`` fp32,
     ``cu`` cumulative sequence lengths (tensor); l2norm of q and k inside, as fla's
     ``use_qk_l2norm_in_kernel``. Computes in fp32 (float64 inputs stay float64) and returns
     ``(o [1, T, HV, V] in v's dtype, final states [N, HV, K, V])``. Token by token: for backward
@@ -234,7 +238,7 @@ def gdn_torch_varlen(q, k, v, g, beta, h0, cu, scale):
     for i in range(len(bounds) - 1):
         S = h0[i].to(acc)  # [HV, K, V]
         for t in range(bounds[i], bounds[i + 1]):
-            S = S * torch.exp(gg[t])[:, None, None]
+            S = S * (torch.exp(gg[t])[:, None, None] if gg.dim() == 2 else torch.exp(gg[t])[:, :, None])
             u = (vv[t] - torch.einsum("hkv,hk->hv", S, kn[t])) * bb[t][:, None]
             S = S + kn[t][:, :, None] * u[:, None, :]
             outs.append(torch.einsum("hkv,hk->hv", S, qn[t]))
