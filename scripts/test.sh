@@ -24,7 +24,7 @@ else
   # after the other when both are done.
   A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
      tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
-     tests/e2e/test_benchmarks.py tests/test_patch_ledger.py tests/e2e/test_weight_reload.py tests/e2e/test_speculative.py
+     tests/test_patch_ledger.py tests/e2e/test_weight_reload.py tests/e2e/test_speculative.py
      tests/integrations/test_trl_grpo.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
   # Each shard's pytest process (and what it starts) on that core too: a shard's own torch work (the trainer's
