@@ -205,3 +205,27 @@ def test_torch_varlen_takes_a_channel_wise_gate():
         o_ref, s_ref = naive_delta_rule(q[s:e], k[s:e], v[s:e], gk[s:e], beta[s:e], h0[i].transpose(-1, -2))
         torch.testing.assert_close(o[0, s:e], o_ref, rtol=0, atol=1e-10)
         torch.testing.assert_close(ht[i].transpose(-1, -2), s_ref, rtol=0, atol=1e-10)
+
+
+def test_kda_gating_matches_float64():
+    """Kimi Delta Attention's gate per key channel, with and without its lower bound, against the float64 formulas
+    (1e-6 relative and 1e-9 absolute: fp32 pointwise ops, whose softplus of a very negative input is off by up to
+    ~4e-10); values above softplus's threshold take the identity, as torch's does;
+    the bounded gate stays in [lower_bound, 0]."""
+    from vllm_bi.gdn.recurrent import kda_gating
+
+    Hk, Kk = 3, 16
+    A_log = torch.log(torch.rand(Hk) * 15 + 1)
+    a = torch.randn(40, Hk, Kk) * 4
+    a[0, 0, 0] = 30.0  # above the threshold
+    b, dt_bias = torch.randn(40, Hk), torch.rand(Hk * Kk) - 0.5
+    x = a.double() + dt_bias.double().view(Hk, Kk)
+    rate = torch.exp(A_log.double()).view(Hk, 1)
+    g, beta = kda_gating(A_log, a, b, dt_bias)
+    ref = -rate * torch.where(x > 20, x, torch.log1p(torch.exp(x)))
+    torch.testing.assert_close(g.double(), ref, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(beta.double(), torch.sigmoid(b.double()), rtol=1e-6, atol=0)
+    gb, _ = kda_gating(A_log, a, b, dt_bias, lower_bound=-5.0)
+    torch.testing.assert_close(gb.double(), -5.0 * torch.sigmoid(rate * x), rtol=1e-6, atol=1e-9)
+    assert bool(((gb >= -5.0) & (gb <= 0.0)).all())
+    assert g.shape == (40, Hk, Kk) and g.dtype == torch.float32

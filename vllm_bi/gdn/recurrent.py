@@ -38,7 +38,7 @@ from vllm_bi.ops import pointwise
 from vllm_bi.ops.device import index_on
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["gdn_gating", "l2norm", "heads_qk", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen",
+__all__ = ["gdn_gating", "kda_gating", "l2norm", "heads_qk", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen",
            "FLAGatedDeltaRule"]
 
 L2NORM_EPS = 1e-6
@@ -51,6 +51,24 @@ def gdn_gating(
     g = -pointwise.exp(A_log.float()) * pointwise.softplus(a.float() + dt_bias.float())
     beta = pointwise.sigmoid(b.float())
     return g, beta
+
+
+def kda_gating(
+    A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kimi Delta Attention's gates: a log decay per key channel from ``a [T, H, K]`` (the low-rank forget-gate
+    projection), ``dt_bias [H * K]`` and ``A_log [H]``, and ``beta = sigmoid(b)`` from ``b [T, H]``; both fp32.
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, or with a ``lower_bound`` (in ``[-5, 0)``, the checkpoint's
+    ``gate_lower_bound``) ``g = lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``, which keeps every decay at least
+    ``exp(lower_bound)``. ``g`` feeds :func:`gdn_recurrent` as ``[T, H, K]``."""
+    H, K = a.shape[-2], a.shape[-1]
+    x = a.float() + dt_bias.float().view(H, K)
+    rate = pointwise.exp(A_log.float()).view(H, 1)
+    if lower_bound is None:
+        g = -rate * pointwise.softplus(x)
+    else:
+        g = lower_bound * pointwise.sigmoid(rate * x)
+    return g, pointwise.sigmoid(b.float())
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
