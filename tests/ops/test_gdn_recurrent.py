@@ -152,8 +152,8 @@ def _channel_gate(T=T):
 
 
 def test_channel_wise_gate_matches_float64_reference():
-    """The recurrence with a decay per key channel against the float64 delta rule (2e-4 absolute, as above); the new
-    reference itself agrees with the GDN one when the gate is per head (1e-12)."""
+    """The recurrence with a decay per key channel against the float64 delta rule (2e-4 absolute, as above); fed
+    GDN's float64 gating, the delta rule gives ``naive_gdn``'s values (1e-12)."""
     from vllm_bi.gdn.naive import naive_delta_rule
 
     q, k, v, A_log, a, b, dt_bias = _inputs()

@@ -13,26 +13,11 @@ __all__ = ["naive_gdn", "naive_delta_rule", "naive_causal_conv1d"]
 
 
 def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
-    """``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``; state ``[HV, V, K]`` -> (o [T, HV, V], state), float64."""
-    q, k, v = q.double(), k.double(), v.double()
-    S_h = [state[h].double() for h in range(state.shape[0])]  # per-head states, no in-place updates
-    T, H, K = q.shape
-    HV = v.shape[1]
+    """``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``; state ``[HV, V, K]`` -> (o [T, HV, V], state), float64.
+    GDN's gating in float64, then :func:`naive_delta_rule`."""
     g = -torch.exp(A_log.double()) * torch.log1p(torch.exp(a.double() + dt_bias.double()))
     beta = 1.0 / (1.0 + torch.exp(-b.double()))
-    rows = []
-    for t in range(T):
-        o_t = []
-        for h in range(HV):
-            hk = h // (HV // H)
-            qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
-            kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
-            S = S_h[h] * torch.exp(g[t, h])
-            S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
-            S_h[h] = S
-            o_t.append(S @ qt)
-        rows.append(torch.stack(o_t))
-    return torch.stack(rows), torch.stack(S_h)
+    return naive_delta_rule(q, k, v, g, beta, state, eps)
 
 
 def naive_delta_rule(q, k, v, g, beta, state, eps: float = 1e-6):
@@ -41,7 +26,7 @@ def naive_delta_rule(q, k, v, g, beta, state, eps: float = 1e-6):
     Kimi Delta Attention); state ``[HV, V, K]`` -> (o [T, HV, V], state). Per head: ``S <- S diag(exp(g_t))``,
     ``S <- S + beta_t (v_t - S k_t) k_t^T``, ``o_t = S q_t``."""
     q, k, v, g, beta = q.double(), k.double(), v.double(), g.double(), beta.double()
-    S_h = [state[h].double() for h in range(state.shape[0])]
+    S_h = [state[h].double() for h in range(state.shape[0])]  # per-head states, no in-place updates
     T, H, K = q.shape
     HV = v.shape[1]
     rows = []
@@ -51,8 +36,7 @@ def naive_delta_rule(q, k, v, g, beta, state, eps: float = 1e-6):
             hk = h // (HV // H)
             qt = q[t, hk] / torch.sqrt((q[t, hk] ** 2).sum() + eps) * K**-0.5
             kt = k[t, hk] / torch.sqrt((k[t, hk] ** 2).sum() + eps)
-            decay = torch.exp(g[t, h]) * torch.ones(K, dtype=torch.float64)  # [K], per channel or repeated
-            S = S_h[h] @ torch.diag(decay)
+            S = S_h[h] * torch.exp(g[t, h])  # [V, K] times a scalar, or a decay per key channel (last dim)
             S = S + beta[t, h] * torch.outer(v[t, h] - S @ kt, kt)
             S_h[h] = S
             o_t.append(S @ qt)

@@ -24,7 +24,7 @@ __all__ = ["row_sum", "row_mean", "ROW_BLOCK", "GPU_BLOCK", "ROW_SUM_WARPS"]
 
 ROW_BLOCK = 4096
 GPU_BLOCK = 1024
-ROW_SUM_WARPS = 4  # with GPU_BLOCK, fixes the tree that sums the lanes (ops.softmax_triton relies on it)
+ROW_SUM_WARPS = 4  # with GPU_BLOCK, fixes the tree that sums the lanes
 
 
 def row_sum(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
