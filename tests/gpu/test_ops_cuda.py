@@ -354,3 +354,54 @@ def test_rowwise_kernels_invariant_close_capturable_and_control(monkeypatch):
 
     wide = rows_triton._rms_norm_fwd(x[:1024], r[:1024], w, eps, block=8192)[0]
     assert not torch.equal(wide, full[0][:1024]), "a wider block gave the same bits: the control shows nothing"
+
+
+@pytest.mark.parametrize("n", [4096, 256, 3000])
+def test_reducing_kernels_bits_do_not_follow_the_layout(n, monkeypatch):
+    """The Triton RMSNorm (with a residual), the gated norm and ``row_sum``: a row's bits are the same from a
+    contiguous tensor, a padded strided view (as vLLM slices its buffers), a view at an odd element offset and one
+    row alone (exact). What Triton assumes of a pointer's alignment and a stride's divisibility sets the register
+    layout, and with it the order of a float ``tl.sum``; with ``settings.CANONICAL_ROWS_CUDA`` every kernel reads its
+    rows in one layout (``ops.layout.canonical_rows``). Negative control: with the rows passed as the caller holds
+    them (the setting off), some view gets other bits in some op (``row_sum`` on the H100), so the equalities can
+    fail."""
+    from vllm_bi import settings
+    from vllm_bi.ops import reduce
+    from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
+
+    monkeypatch.setenv("VLLM_BI_ROWWISE", "triton")
+    monkeypatch.setattr(settings, "CANONICAL_ROWS_CUDA", True)
+    g = torch.Generator().manual_seed(11)
+    T = 512
+    x, r = (torch.randn(T, n, generator=g) * 3).bfloat16().to(DEV), torch.randn(T, n, generator=g).bfloat16().to(DEV)
+    z = torch.randn(T, n, generator=g).bfloat16().to(DEV)
+    w = (torch.randn(n, generator=g) * 0.1 + 1).bfloat16().to(DEV)
+    xf = (torch.randn(T, n, generator=g) * 3).to(DEV)
+
+    def views(t):
+        wide = torch.zeros(T, n + 8, dtype=t.dtype, device=DEV)
+        wide[:, :n] = t
+        flat = torch.zeros(1 + T * n, dtype=t.dtype, device=DEV)
+        flat[1:] = t.reshape(-1)
+        return {"padded": wide[:, :n], "odd offset": flat[1:].view(T, n)}
+
+    def ops(xx, rr, zz, ff):
+        out, res = rms_norm_maybe_residual(xx, rr, w, 1e-6)
+        return {"rms_norm": out, "residual": res, "gated": gated_rms_norm(xx, zz, w, 1e-6, False, "silu"),
+                "row_sum": reduce.row_sum(ff)}
+
+    def check():
+        base = ops(x, r, z, xf)
+        bad = []
+        for kind in ("padded", "odd offset"):
+            got = ops(views(x)[kind], views(r)[kind], views(z)[kind], views(xf)[kind])
+            bad += [(kind, name) for name in base if not torch.equal(got[name], base[name])]
+        alone = ops(x[7:8].clone(), r[7:8].clone(), z[7:8].clone(), xf[7:8].clone())
+        bad += [("alone", name) for name in base if not torch.equal(alone[name], base[name][7:8])]
+        return bad
+
+    assert check() == []
+    monkeypatch.setattr(settings, "CANONICAL_ROWS_CUDA", False)
+    bad = check()
+    print(f"n={n}: without one layout, differing: {bad}")
+    assert bad, "rows in their caller's layout gave the same bits: the control shows nothing"

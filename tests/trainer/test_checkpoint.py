@@ -199,3 +199,19 @@ def test_a_run_from_before_the_fast_cuda_default_is_refused_with_the_portable_fi
         check_resume_settings(str(tmp_path), old, now)
     assert "\n" not in str(e.value) and "VLLM_BI_PRESET=portable" in str(e.value) and "--resume false" in str(e.value)
     check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_PRESET": "portable"}).arithmetic("cuda"))
+
+
+def test_a_run_under_the_torch_logprobs_resumed_under_the_triton_ones_is_refused_with_the_fix(tmp_path):
+    """A CUDA run checkpointed under the torch log-softmax and resumed under the Triton kernels (as when they become
+    CUDA's default): refused in one line naming VLLM_BI_LOGPROBS=torch and a fresh start; the run's own setting
+    resumes it (control)."""
+    from vllm_bi.settings import Settings
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    old = Settings.from_env({"VLLM_BI_LOGPROBS": "torch"}).arithmetic("cuda")
+    now = Settings.from_env({"VLLM_BI_LOGPROBS": "triton"}).arithmetic("cuda")
+    with pytest.raises(TrainerError) as e:
+        check_resume_settings(str(tmp_path), old, now)
+    msg = str(e.value)
+    assert "\n" not in msg and "VLLM_BI_LOGPROBS=torch" in msg and "--resume false" in msg
+    check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_LOGPROBS": "torch"}).arithmetic("cuda"))

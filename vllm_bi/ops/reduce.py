@@ -13,12 +13,16 @@ the summation order) from the whole tensor's shape, so a row's sum can change
 with the number of rows. :func:`row_sum` runs a Triton kernel instead: one
 program per row, a fixed block of ``GPU_BLOCK`` lanes accumulating the row in
 order, then one fixed-shape tree sum of the lanes — the same order for a row
-whatever else is in the tensor.
+whatever else is in the tensor (and whatever view holds it where the rows are
+read in one layout: :mod:`vllm_bi.ops.layout`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from vllm_bi.ops.layout import canonical_rows
+from vllm_bi.ops.layout import wanted as layout_wanted
 
 __all__ = ["row_sum", "row_mean", "ROW_BLOCK", "GPU_BLOCK", "ROW_SUM_WARPS"]
 
@@ -76,7 +80,8 @@ def triton_row_sum(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype not in (torch.float32, torch.float64):
         raise NotImplementedError(f"vllm_bi row_sum on {x.device.type}: accumulation dtype {dtype} (fp32/fp64 only)")
     lead, n = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, n).contiguous()
+    # one layout (where wanted), so one lane order for the final tl.sum whatever view holds the rows
+    x2 = canonical_rows(x, n) if layout_wanted(x) else x.reshape(-1, n).contiguous()
     out = torch.empty(x2.shape[0], dtype=dtype, device=x.device)
     if x2.shape[0]:
         _kernel()[(x2.shape[0],)](x2, out, n, x2.stride(0), BLOCK=GPU_BLOCK, FP64=dtype == torch.float64,

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi.ops.layout import aligned, canonical_rows
+from vllm_bi.ops.layout import wanted as layout_wanted
+
 __all__ = ["wanted", "rows_backend", "rms_norm", "gated_rms_norm", "silu_mul", "MAX_ROW"]
 
 MAX_ROW = 16384  # longest row a norm kernel holds in one block; longer rows take the torch path
@@ -122,9 +125,17 @@ def _kernels():
 
 
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    """``x`` as ``[rows, n]`` with unit stride along a row (a view where possible)."""
+    """``x`` as ``[rows, n]``: in the one layout every norm kernel reads where :func:`vllm_bi.ops.layout.wanted` says
+    so (:func:`~vllm_bi.ops.layout.canonical_rows`: the row's sum of squares then adds in the same order whatever view
+    the caller holds), else with unit stride along a row (a view where possible)."""
+    if layout_wanted(x):
+        return canonical_rows(x, n)
     x2 = x.reshape(-1, n)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _weight(w: torch.Tensor) -> torch.Tensor:
+    return aligned(w) if layout_wanted(w) else w
 
 
 def _rms_norm_fwd(x, residual, weight, eps, block=None):
@@ -137,7 +148,8 @@ def _rms_norm_fwd(x, residual, weight, eps, block=None):
     block, warps = _block(n) if block is None else (block, _block(block)[1])
     if x2.shape[0]:
         _kernels()["rms"][(x2.shape[0],)](
-            x2, r2, weight if weight is not None else x2, out, res_out, n, x2.stride(0), r2.stride(0), float(eps),
+            x2, r2, _weight(weight) if weight is not None else x2, out, res_out, n, x2.stride(0), r2.stride(0),
+            float(eps),
             HAS_RES=residual is not None, HAS_W=weight is not None,
             W_ROUND=weight is not None and weight.dtype != torch.float32, BLOCK=block, num_warps=warps)
     return out if residual is None else (out, res_out)
@@ -146,7 +158,7 @@ def _rms_norm_fwd(x, residual, weight, eps, block=None):
 def _gated_fwd(x, z, weight, eps, norm_before_gate, activation, group_size):
     D = x.shape[-1]
     n = D if group_size is None else group_size
-    w = weight.reshape(-1)
+    w = _weight(weight.reshape(-1))
     # one weight for every group: each group is a row; a weight per group: a row of x holds D // n groups
     width, groups = (n, 1) if w.numel() == n else (D, D // n)
     xr = _rows(x, width)
@@ -162,7 +174,8 @@ def _gated_fwd(x, z, weight, eps, norm_before_gate, activation, group_size):
 
 def _silu_mul_fwd(x):
     d = x.shape[-1] // 2
-    x2 = _rows(x, 2 * d)
+    x2 = x.reshape(-1, 2 * d)  # elementwise: no sum whose order a layout could change
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         _kernels()["silu"][(x2.shape[0], _cdiv(d, SILU_BLOCK))](x2, out, d, x2.stride(0), BLOCK=SILU_BLOCK,

@@ -67,6 +67,11 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
                                f"{b!r} one (the CUDA default since the fast arithmetic became it): set "
                                "VLLM_BI_PRESET=portable for this run and its server, or use --resume false (or "
                                "another --run-dir) to start over", exit_code=MISMATCH)
+        if key == "logprobs" and a == "torch" and b == "triton":
+            raise TrainerError(f"{run_dir} holds a checkpoint made with the torch log-softmax, this process runs the "
+                               "Triton kernels (other bits on some rows): set "
+                               "VLLM_BI_LOGPROBS=torch (or VLLM_BI_PRESET=portable) for this run and its server, or "
+                               "use --resume false (or another --run-dir) to start over", exit_code=MISMATCH)
         raise TrainerError(f"{run_dir} holds a checkpoint made with {key}={a!r}, this process runs {b!r}: set "
                            f"{ARITHMETIC_ENV[key]} as the run had it, or use --resume false (or another --run-dir) to "
                            "start over", exit_code=MISMATCH)
