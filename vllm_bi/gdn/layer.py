@@ -14,14 +14,40 @@ import torch
 
 from vllm_bi.gdn.chunk import gdn_chunk_varlen, gdn_hybrid_varlen
 from vllm_bi.gdn.chunk_decode import chunk_in_slots, padded_blocks_in_slots
-from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent, gdn_recurrent_varlen
+from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent, gdn_recurrent_varlen, kda_gating
 from vllm_bi.gdn.slots import recurrent_in_slots
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.device import host_to, index_on, kept, rows_of
 
-__all__ = ["causal_conv1d", "causal_conv1d_varlen", "gdn_sequence", "gdn_varlen", "RingRows", "MODES"]
+__all__ = ["causal_conv1d", "causal_conv1d_varlen", "gdn_sequence", "gdn_varlen", "RingRows", "MODES", "GATINGS",
+           "gates"]
 
 MODES = ("recurrent", "chunk", "hybrid")
+# the gate of the recurrence: GDN's decay per head (Qwen3-Next, Qwen3.5), or Kimi Delta Attention's per key channel
+GATINGS = ("gdn", "kda")
+
+
+def gates(gating: str, A_log, a, b, dt_bias, lower_bound: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)`` fp32 for the recurrence. ``gdn``: ``a, b [T, HV]`` (:func:`~vllm_bi.gdn.recurrent.gdn_gating`).
+    ``kda``: ``a [T, H, K]`` the forget-gate projection per key channel, ``b [T, H]`` the raw beta, ``dt_bias [H*K]``
+    and the checkpoint's ``lower_bound`` (:func:`~vllm_bi.gdn.recurrent.kda_gating`); ``g`` is then ``[T, H, K]``."""
+    if gating == "gdn":
+        return gdn_gating(A_log, a, b, dt_bias)
+    if gating == "kda":
+        return kda_gating(A_log, a, b, dt_bias, lower_bound)
+    raise ValueError(f"gating {gating!r}: choose one of {', '.join(GATINGS)}")
+
+
+def _check_kda(gating: str, mode: str, device: torch.device) -> None:
+    """Kimi Delta Attention's per-channel gate runs in the recurrent mode on CPU only: refuse the rest by name."""
+    if gating != "kda":
+        return
+    if mode != "recurrent":
+        raise ValueError(f"Kimi Delta Attention (a decay per key channel) runs in the recurrent GDN mode only, not "
+                         f"{mode!r}: set VLLM_BI_GDN_MODE=recurrent")
+    if device.type != "cpu":
+        raise NotImplementedError("Kimi Delta Attention's batch-invariant core runs on CPU only in this release "
+                                  f"(got {device.type}): serve the model without VLLM_BATCH_INVARIANT=1")
 _INDEX_CACHE = 64
 
 
@@ -131,21 +157,25 @@ def gdn_sequence(
     head_k_dim: int,
     head_v_dim: int,
     activation: str | None = "silu",
+    gating: str = "gdn",
+    lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence through the GDN core: short conv, q/k/v split, gating, recurrence.
 
     The per-sequence definition that :func:`gdn_varlen` (what the server's ``model_executor/gdn.py``
     and the trainer's ``models/qwen_gdn.py`` call) must reproduce exactly (``tests/ops/test_gdn_varlen.py``). ``mixed_qkv [T, 2*Hk*K + HV*V]`` (model
     dtype), ``conv_weight [D, W]``, ``conv_state [W-1, D]``, ``a, b [T, HV]``, ``state [HV, V, K]``
-    fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``.
+    fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``. ``gating="kda"``: Kimi Delta Attention's
+    gate (:func:`gates`: ``a [T, H, K]``, ``b [T, H]``, ``lower_bound``), recurrent arithmetic on CPU.
     """
+    _check_kda(gating, "recurrent", mixed_qkv.device)
     T = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     x, new_conv_state = causal_conv1d(mixed_qkv, conv_weight, conv_state, activation)
     q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim)
     k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim)
     v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim)
-    g, beta = gdn_gating(A_log, a, b, dt_bias)
+    g, beta = gates(gating, A_log, a, b, dt_bias, lower_bound)
     o, new_state = gdn_recurrent(q, k, v, g, beta, state)
     return o, new_conv_state, new_state
 
@@ -192,6 +222,8 @@ def gdn_varlen(
     slots: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     lens: torch.Tensor | None = None,
+    gating: str = "gdn",
+    lower_bound: float | None = None,
 ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
@@ -222,7 +254,11 @@ def gdn_varlen(
     range is one block padded to ``CHUNK`` rows, of which the first ``lens[j]`` are the sequence's
     (:func:`vllm_bi.gdn.chunk_decode.padded_blocks_in_slots`: nothing read on the host; rows past ``lens`` are not
     written).
+
+    ``gating="kda"`` (with ``lower_bound``): Kimi Delta Attention's per-channel gate (:func:`gates`); the recurrent
+    mode on CPU only, anything else refused by name.
     """
+    _check_kda(gating, mode, conv_weight.device)
     key_dim = num_k_heads * head_k_dim
     cu = [0]
     for s, e in ranges:
@@ -254,7 +290,7 @@ def gdn_varlen(
         q = x[:, :key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
         k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
         v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
-    g, beta = gdn_gating(A_log, a, b, dt_bias)
+    g, beta = gates(gating, A_log, a, b, dt_bias, lower_bound)
     if slots is not None:
         if mode == "recurrent":
             o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5,

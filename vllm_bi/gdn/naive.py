@@ -9,13 +9,26 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["naive_gdn", "naive_delta_rule", "naive_causal_conv1d"]
+__all__ = ["naive_gdn", "naive_kda", "naive_delta_rule", "naive_causal_conv1d"]
 
 
 def naive_gdn(q, k, v, A_log, a, b, dt_bias, state, eps: float = 1e-6):
     """``q, k [T, H, K]``, ``v [T, HV, V]``, ``a, b [T, HV]``; state ``[HV, V, K]`` -> (o [T, HV, V], state), float64.
     GDN's gating in float64, then :func:`naive_delta_rule`."""
     g = -torch.exp(A_log.double()) * torch.log1p(torch.exp(a.double() + dt_bias.double()))
+    beta = 1.0 / (1.0 + torch.exp(-b.double()))
+    return naive_delta_rule(q, k, v, g, beta, state, eps)
+
+
+def naive_kda(q, k, v, A_log, a, b, dt_bias, state, lower_bound=None, eps: float = 1e-6):
+    """Kimi Delta Attention in float64: ``q, k, v [T, H, K]``, ``a [T, H, K]`` (the forget-gate projection), ``b [T, H]``
+    (raw beta), ``dt_bias [H*K]``, ``A_log [H]``; the decay per key channel is ``exp(g)`` with
+    ``g = -exp(A_log) * log(1 + exp(a + dt_bias))``, or ``lower_bound / (1 + exp(-exp(A_log) * (a + dt_bias)))``
+    with a lower bound; then :func:`naive_delta_rule`."""
+    H, K = a.shape[1], a.shape[2]
+    x = a.double() + dt_bias.double().view(H, K)
+    rate = torch.exp(A_log.double()).view(H, 1)
+    g = -rate * torch.log1p(torch.exp(x)) if lower_bound is None else lower_bound / (1.0 + torch.exp(-rate * x))
     beta = 1.0 / (1.0 + torch.exp(-b.double()))
     return naive_delta_rule(q, k, v, g, beta, state, eps)
 
