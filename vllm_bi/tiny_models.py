@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from vllm_bi.errors import OutputExists, UsageError
 
-__all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus"]
+__all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus",
+           "kimi_linear_config", "build_tiny_kimi_linear"]
 
 FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
 
@@ -282,3 +283,57 @@ def build_tiny_model(
         if _read_stamp(stamp_path) != stamp:
             raise OutputExists(final, "holds a different tiny model") from None
     return final
+
+
+def kimi_linear_config(vocab_size: int = 512, hidden: int = 64, layers: int = 4, gate_lower_bound=-5.0) -> dict:
+    """A small Kimi Linear ``config.json``: KDA layers at the odd places (1-based, as the config counts), MLA with no
+    rotary at the even ones, a dense first MLP, then a sigmoid-routed MoE of 4 experts (top 2) and a shared one."""
+    return {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": vocab_size,
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": hidden // 2, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "dtype": "bfloat16",
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "mla_use_nope": True, "mla_use_output_gate": False,
+        "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": hidden,
+        "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": 1,
+        "topk_group": 1, "num_nextn_predict_layers": 0,
+        "linear_attn_config": {"full_attn_layers": list(range(2, layers + 1, 2)),
+                               "kda_layers": list(range(1, layers + 1, 2)), "head_dim": 16, "num_heads": 2,
+                               "short_conv_kernel_size": 4, "gate_lower_bound": gate_lower_bound},
+    }
+
+
+def build_tiny_kimi_linear(path: str, seed: int = 0, **config) -> str:
+    """Write a random-weight Kimi Linear checkpoint (``config.json`` + ``model.safetensors``, the checkpoint's tensor
+    names) to ``path``; ``config``: :func:`kimi_linear_config`'s arguments. Weights are scaled so activations stay
+    of order one through the layers. No tokenizer: callers pass token ids."""
+    import torch
+    from safetensors.torch import save_file
+
+    from vllm_bi.models.kimi_linear import KimiConfig, KimiLinearForCausalLM
+
+    raw = kimi_linear_config(**config)
+    model = KimiLinearForCausalLM(KimiConfig.from_dict(raw))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in model.params.items():
+            name = key.replace(":", ".")
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
+            elif name.endswith(("dt_bias", "e_score_correction_bias")):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.4 * torch.randn(p.shape, generator=g))
+            else:  # GEMM weights [out, in] (embeddings [vocab, D]): unit-variance outputs
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 if "embed" in name else p.shape[-1] ** -0.5))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+    save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path

@@ -5,22 +5,33 @@ Kimi Delta Attention (KDA) is the GDN recurrence with a decay per key channel: :
 over packed sequences, each from fp32 zero states, composed as vLLM 0.32's ``KimiGatedDeltaNetAttention`` composes
 it (q, k and v projections and their short convs in fp32 weights, beta and the low-rank forget gate ``f_b(f_a(x))``
 per key channel, the GDN core with ``gating="kda"``, the output norm gated by ``sigmoid(g_b(g_a(x)))`` with its
-fixed eps, the output projection). The rest of the model (MLA attention, the MoE router) is not built yet: Kimi
-Linear is refused under batch invariance until it is (``vllm_bi.patch.model_families``).
+fixed eps, the output projection). :func:`mla_block` is the MLA layer in one formulation, keys and values
+decompressed from the latent (``kv_b_proj``) for every row: vLLM computes prefill that way but decode in the
+weight-absorbed latent form, other arithmetic, so a batch-invariant server must serve this one for both. The model
+(:class:`KimiLinearForCausalLM`) composes them with the dense and the sigmoid-routed MoE MLPs. The server side is not
+built yet: Kimi Linear is refused under batch invariance until it is (``vllm_bi.patch.model_families``).
 
-Legend: ``T`` packed tokens, ``D`` hidden size, ``H`` KDA heads, ``K`` the KDA head dim (q, k and v alike).
+Legend: ``T`` packed tokens, ``D`` hidden size, ``H`` KDA heads, ``K`` the KDA head dim (q, k and v alike), ``NH``
+MLA heads.
 """
 
 from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from vllm_bi.gdn.layer import gdn_varlen
+from vllm_bi.models.qwen_gdn import decoder_layer, mlp_block, next_token_logprobs, packed_causal_attention
 from vllm_bi.ops.linear import bi_linear
-from vllm_bi.ops.norm import gated_rms_norm
+from vllm_bi.ops.moe import moe_experts, sigmoid_topk
+from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 
-__all__ = ["KDA_NORM_EPS", "KDA_WEIGHTS", "kda_block", "KimiDeltaAttention"]
+__all__ = ["KDA_NORM_EPS", "KDA_WEIGHTS", "kda_block", "KimiDeltaAttention", "KimiConfig", "mla_block",
+           "kimi_moe_block", "KimiLinearForCausalLM"]
 
 # vLLM builds the KDA output norm with FusedRMSNormGated's default eps, not the config's rms_norm_eps
 KDA_NORM_EPS = 1e-5
@@ -90,3 +101,262 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, cu: list[int]) -> torch.Tensor:
         return kda_block(x_TD, cu, self.weights(), self.num_heads, self.head_dim, self.lower_bound)
+
+
+@dataclass
+class KimiConfig:
+    """What the trainer reads of a Kimi Linear ``config.json``."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    intermediate_size: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kda_layers: tuple[int, ...]  # 1-based, as the config lists them
+    kda_heads: int
+    kda_head_dim: int
+    conv_size: int
+    gate_lower_bound: float | None
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    num_shared_experts: int
+    renormalize: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+
+    @classmethod
+    def from_dict(cls, c: dict, where: str = "config") -> "KimiConfig":
+        la = c.get("linear_attn_config") or {}
+        refuse = []
+        if c.get("q_lora_rank") is not None:
+            refuse.append("q_lora_rank (a low-rank query)")
+        if not c.get("mla_use_nope", False):
+            refuse.append("mla_use_nope false (rotary MLA)")
+        if c.get("mla_use_output_gate", False):
+            refuse.append("mla_use_output_gate")
+        if la.get("use_full_rank_gate", False):
+            refuse.append("linear_attn_config.use_full_rank_gate")
+        if c.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+            refuse.append(f"moe_router_activation_func {c.get('moe_router_activation_func')!r}")
+        if c.get("num_expert_group", 1) != 1 or c.get("routed_expert_hidden_size") is not None:
+            refuse.append("grouped or latent MoE routing")
+        if refuse:
+            raise ValueError(f"{where}: Kimi Linear with {', '.join(refuse)} is not supported by the trainer model yet")
+        return cls(
+            hidden_size=c["hidden_size"], vocab_size=c["vocab_size"], num_hidden_layers=c["num_hidden_layers"],
+            rms_norm_eps=c["rms_norm_eps"], intermediate_size=c["intermediate_size"],
+            num_attention_heads=c["num_attention_heads"], kv_lora_rank=c["kv_lora_rank"],
+            qk_nope_head_dim=c["qk_nope_head_dim"], qk_rope_head_dim=c["qk_rope_head_dim"],
+            v_head_dim=c["v_head_dim"], kda_layers=tuple(la["kda_layers"]), kda_heads=la["num_heads"],
+            kda_head_dim=la["head_dim"], conv_size=la["short_conv_kernel_size"],
+            gate_lower_bound=la.get("gate_lower_bound"), num_experts=c["num_experts"],
+            top_k=c["num_experts_per_token"], moe_intermediate_size=c["moe_intermediate_size"],
+            num_shared_experts=c.get("num_shared_experts") or 0, renormalize=bool(c.get("moe_renormalize", True)),
+            routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=c.get("first_k_dense_replace", 0))
+
+    def is_kda(self, i: int) -> bool:
+        return (i + 1) in self.kda_layers
+
+    def is_moe(self, i: int) -> bool:
+        return i >= self.first_k_dense_replace
+
+
+def mla_block(c: KimiConfig, x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Kimi Linear's MLA (no rotary, a full-rank query) over packed sequences, keys and values decompressed from the
+    latent for every row: ``x [T, D]`` -> ``[T, D]``. ``w``: ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+    ``kv_b_proj``, ``o_proj`` (``.weight``). The shared rope part of the key is one head broadcast to all; values
+    are zero-padded to the key's head dim for the attention op and cut back after (the zero columns change no
+    other column)."""
+    T, NH = x_TD.shape[0], c.num_attention_heads
+    nope, rope, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    dqk = nope + rope
+    q = bi_linear(x_TD, w["q_proj.weight"]).view(T, NH, dqk)
+    kv_a = bi_linear(x_TD, w["kv_a_proj_with_mqa.weight"])
+    latent = rms_norm_maybe_residual(kv_a[:, :r], None, w["kv_a_layernorm.weight"], c.rms_norm_eps)
+    k_pe = kv_a[:, r:].reshape(T, 1, rope)
+    kv = bi_linear(latent, w["kv_b_proj.weight"]).view(T, NH, nope + dv)
+    k = torch.cat([kv[..., :nope], k_pe.expand(T, NH, rope)], dim=-1)
+    v = kv[..., nope:]
+    if dv < dqk:
+        v = torch.nn.functional.pad(v, (0, dqk - dv))
+    out = packed_causal_attention(q, k, v, cu, dqk**-0.5)[..., :dv]
+    return bi_linear(out.reshape(T, NH * dv), w["o_proj.weight"])
+
+
+def kimi_moe_block(c: KimiConfig, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The sigmoid-routed MoE with its shared experts: ``gate.weight [E, D]`` (router logits in fp32),
+    ``gate.e_score_correction_bias [E]``, experts ``w13 [E, 2I, D]`` (per expert ``[w1; w3]``) and ``w2 [E, D, I]``,
+    the shared MLP's ``shared_experts.{gate,up,down}_proj.weight``."""
+    logits = bi_linear(x, w["gate.weight"]).float()
+    weights, ids = sigmoid_topk(logits, c.top_k, c.renormalize, w["gate.e_score_correction_bias"],
+                                c.routed_scaling_factor)
+    out = moe_experts(x, w["w13"], w["w2"], weights, ids)
+    if c.num_shared_experts:
+        out = out + mlp_block(x, *(w[f"shared_experts.{n}_proj.weight"] for n in ("gate", "up", "down")))
+    return out
+
+
+def _name(hf: str) -> str:
+    return hf.replace(".", ":")
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """Kimi Linear for the trainer: embeddings, decoder layers (KDA or MLA mixers; dense or MoE MLPs), the final
+    norm and an untied head. Parameters keep the checkpoint's names (dots as colons); the routed experts are held
+    stacked as ``model.layers.N.block_sparse_moe.w13`` / ``.w2``."""
+
+    def __init__(self, c: KimiConfig):
+        super().__init__()
+        self.c = c
+        self.params = nn.ParameterDict()
+        for name, shape, dtype in self._shapes():
+            self.params[_name(name)] = nn.Parameter(torch.zeros(shape, dtype=dtype))
+
+    def _shapes(self):
+        c, D = self.c, self.c.hidden_size
+        bf, f32 = torch.bfloat16, torch.float32
+        yield "model.embed_tokens.weight", (c.vocab_size, D), bf
+        yield "model.norm.weight", (D,), bf
+        yield "lm_head.weight", (c.vocab_size, D), bf
+        NH, nope, rope, dv, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                                 c.kv_lora_rank)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}"
+            yield f"{p}.input_layernorm.weight", (D,), bf
+            yield f"{p}.post_attention_layernorm.weight", (D,), bf
+            if c.is_kda(i):
+                kda = KimiDeltaAttention(D, c.kda_heads, c.kda_head_dim, c.conv_size)
+                for name, t in kda.weights().items():
+                    yield f"{p}.self_attn.{name}", tuple(t.shape), t.dtype
+            else:
+                yield f"{p}.self_attn.q_proj.weight", (NH * (nope + rope), D), bf
+                yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (r + rope, D), bf
+                yield f"{p}.self_attn.kv_a_layernorm.weight", (r,), bf
+                yield f"{p}.self_attn.kv_b_proj.weight", (NH * (nope + dv), r), bf
+                yield f"{p}.self_attn.o_proj.weight", (D, NH * dv), bf
+            if c.is_moe(i):
+                m, E, I = f"{p}.block_sparse_moe", c.num_experts, c.moe_intermediate_size
+                yield f"{m}.gate.weight", (E, D), bf
+                yield f"{m}.gate.e_score_correction_bias", (E,), f32
+                yield f"{m}.w13", (E, 2 * I, D), bf
+                yield f"{m}.w2", (E, D, I), bf
+                if c.num_shared_experts:
+                    S = I * c.num_shared_experts
+                    yield f"{m}.shared_experts.gate_proj.weight", (S, D), bf
+                    yield f"{m}.shared_experts.up_proj.weight", (S, D), bf
+                    yield f"{m}.shared_experts.down_proj.weight", (D, S), bf
+            else:
+                I = c.intermediate_size
+                yield f"{p}.mlp.gate_proj.weight", (I, D), bf
+                yield f"{p}.mlp.up_proj.weight", (I, D), bf
+                yield f"{p}.mlp.down_proj.weight", (D, I), bf
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.params[_name(name)]
+
+    def _under(self, prefix: str) -> dict[str, torch.Tensor]:
+        key = _name(prefix) + ":"
+        return {k[len(key):].replace(":", "."): v for k, v in self.params.items() if k.startswith(key)}
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "KimiLinearForCausalLM":
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, "config.json")) as f:
+            model = cls(KimiConfig.from_dict(json.load(f), os.path.join(path, "config.json")))
+        tensors = {}
+        for fn in sorted(os.listdir(path)):
+            if fn.endswith(".safetensors"):
+                tensors.update(load_file(os.path.join(path, fn)))
+        model.load_hf_state_dict(tensors)
+        return model
+
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's tensors in (per-expert ``w1``/``w3``/``w2`` stacked into ``w13``/``w2``), refusing a
+        missing tensor or another shape by name."""
+        c = self.c
+        have = dict(tensors)
+        for i in range(c.num_hidden_layers):
+            if not c.is_moe(i):
+                continue
+            m = f"model.layers.{i}.block_sparse_moe"
+            try:
+                w1, w3, w2 = ([have.pop(f"{m}.experts.{e}.{n}.weight") for e in range(c.num_experts)]
+                              for n in ("w1", "w3", "w2"))
+            except KeyError as e:
+                raise KeyError(f"Kimi Linear checkpoint: no {e.args[0]}") from None
+            have[f"{m}.w13"] = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
+            have[f"{m}.w2"] = torch.stack(w2)
+        with torch.no_grad():
+            for key, p in self.params.items():
+                name = key.replace(":", ".")
+                if name not in have:
+                    raise KeyError(f"Kimi Linear checkpoint: no {name}")
+                t = have[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"Kimi Linear checkpoint: {name} has shape {tuple(t.shape)}, expected "
+                                     f"{tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The parameters under the checkpoint's names, the stacked experts split back into ``experts.E.w1/w3/w2``."""
+        out = {}
+        for key, p in self.params.items():
+            name, t = key.replace(":", "."), p.detach()
+            if name.endswith(".block_sparse_moe.w13"):
+                I = t.shape[1] // 2
+                for e in range(t.shape[0]):
+                    out[name[: -len("w13")] + f"experts.{e}.w1.weight"] = t[e, :I].contiguous()
+                    out[name[: -len("w13")] + f"experts.{e}.w3.weight"] = t[e, I:].contiguous()
+            elif name.endswith(".block_sparse_moe.w2"):
+                for e in range(t.shape[0]):
+                    out[name[: -len("w2")] + f"experts.{e}.w2.weight"] = t[e].contiguous()
+            else:
+                out[name] = t
+        return out
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
+        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0)."""
+        c = self.c
+        cu = [int(x) for x in cu_seqlens]
+        h = self.w("model.embed_tokens.weight")[input_ids]
+        residual = None
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}"
+            attn = self._under(f"{p}.self_attn")
+            if c.is_kda(i):
+                def mixer(x, attn=attn):
+                    return kda_block(x, cu, attn, c.kda_heads, c.kda_head_dim, c.gate_lower_bound)
+            else:
+                def mixer(x, attn=attn):
+                    return mla_block(c, x, cu, attn)
+            if c.is_moe(i):
+                moe = self._under(f"{p}.block_sparse_moe")
+
+                def mlp(x, moe=moe):
+                    return kimi_moe_block(c, x, moe)
+            else:
+                dense = [self.w(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")]
+
+                def mlp(x, dense=dense):
+                    return mlp_block(x, *dense)
+
+            def norm(name):
+                return lambda x, r: rms_norm_maybe_residual(x, r, self.w(f"{p}.{name}.weight"), c.rms_norm_eps)
+
+            h, residual = decoder_layer(h, residual, norm("input_layernorm"), mixer, norm("post_attention_layernorm"),
+                                        mlp)
+        h, _ = rms_norm_maybe_residual(h, residual, self.w("model.norm.weight"), c.rms_norm_eps)
+        return bi_linear(h, self.w("lm_head.weight"))
+
+    def token_logprobs(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
+        """``[T]`` fp32: each token's logprob of the next one in its sequence (the last of each is NaN)."""
+        cu = [int(x) for x in cu_seqlens]
+        return next_token_logprobs(self.forward(input_ids, cu), input_ids, cu)

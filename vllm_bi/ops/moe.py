@@ -24,7 +24,7 @@ from vllm_bi.ops.moe_loop import combine_topk, moe_experts_loop
 from vllm_bi.ops.moe_triton import moe_backend, moe_experts_triton
 from vllm_bi.ops.softmax import logsumexp, softmax
 
-__all__ = ["softmax_topk", "moe_experts", "moe_experts_loop", "combine_topk"]
+__all__ = ["softmax_topk", "sigmoid_topk", "moe_experts", "moe_experts_loop", "combine_topk"]
 
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +38,25 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
     else:
         w = pointwise.exp(vals.float() - logsumexp(router_logits.float()))
     return w.to(torch.float32), ids.to(torch.int32)
+
+
+def sigmoid_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, correction_bias: torch.Tensor | None,
+                 scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3-style routing (Kimi Linear's router: one expert group): ``scores = sigmoid(logits)`` in fp32, the
+    ``top_k`` experts chosen by ``scores + correction_bias`` (ties to the lower expert id, a stable sort as in
+    :func:`softmax_topk`), weighted by their unbiased scores, divided by the chosen scores' sum when ``renormalize``,
+    then times ``scale`` (the routed scaling factor). Returns ``(weights fp32 [T, k], ids int32 [T, k])``."""
+    scores = pointwise.sigmoid(router_logits.float())
+    choose = scores if correction_bias is None else scores + correction_bias.float()
+    _, ids = torch.sort(choose, dim=-1, descending=True, stable=True)
+    ids = ids[:, :top_k]
+    w = scores.gather(1, ids)
+    if renormalize:
+        total = w[:, :1]
+        for j in range(1, top_k):  # in a fixed order, whatever the batch
+            total = total + w[:, j : j + 1]
+        w = w / total
+    return (w * scale).to(torch.float32), ids.to(torch.int32)
 
 
 def moe_experts(
