@@ -214,3 +214,30 @@ def test_cpu_mean_override_takes_scalars_and_matches_a_row_sum():
     x = torch.randn(5, 7)
     assert torch.equal(_mean_dim(x, [-1]), (row_sum(x, torch.float32) / 7).squeeze(-1))
     assert _mean_dim(x, [1], keepdim=True).shape == (5, 1)
+
+
+def test_sigmoid_topk_routes_by_biased_scores_and_weights_by_unbiased_ones():
+    """Kimi Linear's router (``ops.moe.sigmoid_topk``): experts chosen by sigmoid score + correction bias, weighted by
+    the unbiased scores, renormalised then scaled; against float64 (1e-6 relative); a row's result alone == in the
+    batch (exact); a tie goes to the lower expert id. Control: without the bias another expert is chosen."""
+    from vllm_bi.ops.moe import sigmoid_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 8, generator=g)
+    bias = torch.zeros(8)
+    bias[5] = 3.0  # expert 5 is chosen for every row
+    w, ids = sigmoid_topk(logits, 2, True, bias, 2.5)
+    assert bool((ids == 5).any(-1).all())
+    s = torch.sigmoid(logits.double())
+    ref_ids = torch.sort(s + bias.double(), dim=-1, descending=True, stable=True).indices[:, :2]
+    ref_w = s.gather(1, ref_ids)
+    ref_w = ref_w / ref_w.sum(-1, keepdim=True) * 2.5
+    assert torch.equal(ids.long(), ref_ids)
+    torch.testing.assert_close(w.double(), ref_w, rtol=1e-6, atol=0)
+    for r in (0, 17, 63):
+        w1, i1 = sigmoid_topk(logits[r : r + 1], 2, True, bias, 2.5)
+        assert torch.equal(w1, w[r : r + 1]) and torch.equal(i1, ids[r : r + 1])
+    tie = torch.zeros(1, 4)
+    assert sigmoid_topk(tie, 2, False, None)[1].tolist() == [[0, 1]]
+    _, plain = sigmoid_topk(logits, 2, True, None, 2.5)
+    assert not torch.equal(plain, ids), "control: the bias should change the choice"
