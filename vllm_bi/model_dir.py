@@ -14,7 +14,7 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "read_tensors", "write_checkpoint"]
 
 # config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
 ARCHITECTURES = {
@@ -58,6 +58,17 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True) 
             raise UsageError(f"{where}: architecture {arch} is not a GDN hybrid vllm_bi supports; give a checkpoint "
                              f"of {', '.join(ARCHITECTURES)}")
     return cfg
+
+
+def read_tensors(path: str) -> dict:
+    """Every tensor of a checkpoint directory's ``*.safetensors`` files, by name (the files in sorted order)."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(path, name)))
+    return tensors
 
 
 def copy_checkpoint_files(like: str, path: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from vllm_bi.gdn.layer import gdn_varlen
+from vllm_bi.model_dir import read_tensors
 from vllm_bi.models.qwen_gdn import decoder_layer, mlp_block, next_token_logprobs, packed_causal_attention
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, sigmoid_topk
@@ -267,15 +268,9 @@ class KimiLinearForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str) -> "KimiLinearForCausalLM":
-        from safetensors.torch import load_file
-
         with open(os.path.join(path, "config.json")) as f:
             model = cls(KimiConfig.from_dict(json.load(f), os.path.join(path, "config.json")))
-        tensors = {}
-        for fn in sorted(os.listdir(path)):
-            if fn.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, fn)))
-        model.load_hf_state_dict(tensors)
+        model.load_hf_state_dict(read_tensors(path))
         return model
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:

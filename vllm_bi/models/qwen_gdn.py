@@ -26,7 +26,7 @@ from torch import nn
 
 from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
 from vllm_bi.gdn.layer import gdn_varlen
-from vllm_bi.model_dir import ARCHITECTURES, write_checkpoint
+from vllm_bi.model_dir import ARCHITECTURES, read_tensors, write_checkpoint
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
@@ -431,18 +431,12 @@ class QwenGDNForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str) -> "QwenGDNForCausalLM":
-        from safetensors.torch import load_file
-
         c = HybridConfig.from_pretrained(path)
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         raw = raw.get("text_config", raw)
         model = cls(c, raw)
-        tensors = {}
-        for name in sorted(os.listdir(path)):
-            if name.endswith(".safetensors"):
-                tensors.update(load_file(os.path.join(path, name)))
-        model.load_hf_state_dict(tensors)
+        model.load_hf_state_dict(read_tensors(path))
         return model
 
     def load_hf_state_dict(self, tensors: dict) -> None:
