@@ -498,3 +498,51 @@ def test_ring_rows_refuse_autograd():
     with pytest.raises(RuntimeError, match="RingRows .* has no backward"):
         gdn_varlen(ring, [(0, 1)], weight, None, torch.zeros(1), torch.zeros(1, 1), torch.zeros(1, 1),
                    torch.zeros(1), torch.zeros(1, 1, 2, 2), 1, 2, 2)
+
+
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_kda_layer_through_the_server_glue_matches_per_sequence_reference(dim_first):
+    """Kimi Linear's KDA layer (a forget gate per key channel, raw beta, a gate lower bound) through the same glue:
+    the scheduled sequences from their slots == one sequence at a time from ``gdn_sequence(gating="kda")``, outputs,
+    conv and fp32 states exact. Control: the reference with another lower bound differs, so the gate reaches the
+    bits. Other GDN modes are refused for KDA by name."""
+    Hk, Kk = 2, 32
+    P = Hk * Kk
+    gen = torch.Generator().manual_seed(7)
+    conv = torch.randn(nslots, *((3 * P, W - 1) if dim_first else (W - 1, 3 * P)), generator=gen).bfloat16()
+    layer = types.SimpleNamespace(
+        kv_cache=(conv, torch.randn(nslots, Hk, Kk, Kk, generator=gen) * 0.1), f_b_proj=object(),
+        conv1d=types.SimpleNamespace(weight=(torch.randn(3 * P, 1, W, generator=gen) * 0.3).float()),
+        local_num_heads=Hk, head_dim=Kk, gate_lower_bound=-5.0, A_log=torch.log(torch.tensor([2.0, 9.0])),
+        dt_bias=torch.randn(P, generator=gen) * 0.3, prefix="kda", num_spec=0)
+    before = tuple(t.clone() for t in layer.kv_cache)
+    xk = torch.randn(T, 3 * P, generator=gen).bfloat16()
+    forget = (torch.randn(T, Hk, Kk, generator=gen) * 2).bfloat16()
+    beta = torch.randn(T, Hk, generator=gen).bfloat16()
+    out = torch.zeros(T, Hk, Kk, dtype=torch.bfloat16)
+    with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
+            mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "_kv_layout", return_value=False), \
+            mock.patch.object(G, "gdn_mode", return_value="recurrent"):
+        G.bi_gdn_core(layer, xk, beta, forget, out)
+    w = layer.conv1d.weight.reshape(3 * P, W)
+
+    def ref(i, lower_bound):
+        s, e, slot = qsl[i], qsl[i + 1], slots[i]
+        if has_init[i]:
+            c0 = before[0][slot].transpose(0, 1) if dim_first else before[0][slot]
+            st0 = before[1][slot]
+        else:
+            c0, st0 = torch.zeros(W - 1, 3 * P, dtype=torch.bfloat16), torch.zeros(Hk, Kk, Kk)
+        return gdn_sequence(xk[s:e], w, c0, layer.A_log, forget[s:e], beta[s:e], layer.dt_bias, st0, Hk, Kk, Kk,
+                            gating="kda", lower_bound=lower_bound)
+
+    for i in range(len(lens)):
+        o, c, st = ref(i, -5.0)
+        assert torch.equal(out[qsl[i] : qsl[i + 1]], o.to(torch.bfloat16)), i
+        assert torch.equal(layer.kv_cache[1][slots[i]], st), i
+        got_c = layer.kv_cache[0][slots[i]]
+        assert torch.equal(got_c.transpose(0, 1) if dim_first else got_c, c.to(torch.bfloat16)), i
+    assert not torch.equal(ref(2, -1.0)[0].to(torch.bfloat16), out[qsl[2] : qsl[3]]), "control: the bound matters"
+    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"):
+        with pytest.raises(NotImplementedError, match="recurrent GDN mode"):
+            G.bi_gdn_core(layer, xk, beta, forget, out)

@@ -21,7 +21,7 @@ from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
-           "spec_step", "verify_rows"]
+           "spec_step", "verify_rows", "is_kda"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
@@ -146,6 +146,9 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     dev = mixed_qkv.device
     dim_first = is_conv_state_dim_first()
     kv_layout = _kv_layout(dev)
+    if is_kda(layer) and (getattr(layer, "num_spec", 0) or gdn_mode() != "recurrent"):
+        raise NotImplementedError("vllm_bi: Kimi Delta Attention is served in the recurrent GDN mode without "
+                                  "speculative decoding only (VLLM_BI_GDN_MODE=recurrent, no --speculative-config)")
     if getattr(layer, "num_spec", 0):  # a server with speculative decoding: its own step (conv slots of W - 1 + k rows)
         spec_step(layer, mixed_qkv, b, a, out, md, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         return
@@ -498,9 +501,23 @@ def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, 
         conv_cache[plan.slot_t, tail, :D] = new_conv
 
 
+def is_kda(layer) -> bool:
+    """Whether ``layer`` is Kimi Linear's KDA layer (``KimiGatedDeltaNetAttention``: a forget gate per key channel)
+    rather than Qwen's GDN layer."""
+    return hasattr(layer, "f_b_proj")
+
+
 def _dims(layer) -> tuple:
-    """The GDN core's head dimensions and activation, as :func:`gdn_varlen` takes them after the state."""
+    """The GDN core's head dimensions and activation, as :func:`gdn_varlen` takes them after the state (KDA: as many
+    key as value heads, one head dim, SiLU convs)."""
+    if is_kda(layer):
+        return layer.local_num_heads, layer.head_dim, layer.head_dim, "silu"
     return layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim, layer.activation
+
+
+def _gating(layer) -> dict:
+    """:func:`gdn_varlen`'s gate arguments for ``layer``: KDA's per-channel gate and its lower bound, or GDN's."""
+    return {"gating": "kda", "lower_bound": layer.gate_lower_bound} if is_kda(layer) else {}
 
 
 def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout) -> torch.Tensor:
@@ -511,11 +528,11 @@ def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, 
     if kv_layout and _in_place(mixed_qkv.device):
         o, new_conv, _ = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b, layer.dt_bias,
                                     state_memory(ssm_cache, True), *dims, packed=True, slots=plan.slot_t,
-                                    fresh=plan.fresh_flags())
+                                    fresh=plan.fresh_flags(), **_gating(layer))
     else:
         states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
         o, new_conv, new_states = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b,
-                                             layer.dt_bias, states, *dims, packed=True)
+                                             layer.dt_bias, states, *dims, packed=True, **_gating(layer))
         store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
     out[plan.rows] = o.to(out.dtype)
     return new_conv
