@@ -546,3 +546,57 @@ def test_kda_layer_through_the_server_glue_matches_per_sequence_reference(dim_fi
     with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"):
         with pytest.raises(NotImplementedError, match="recurrent GDN mode"):
             G.bi_gdn_core(layer, xk, beta, forget, out)
+
+
+def test_kda_forward_over_the_glue_equals_the_trainers_kda_block():
+    """``bi_kda_forward`` (vLLM's KDA layer under batch invariance: its merged projection, the glue's core over the
+    cache slots, the sigmoid-gated norm, ``o_proj``) gives the trainer's ``models.kimi_linear.kda_block`` bits for a
+    step of fresh prompts, and a decode after it gives the bits of the same token in the longer prompt (exact). The
+    glue test above carries the controls for the core."""
+    from vllm_bi.model_executor.gdn import bi_kda_forward
+    from vllm_bi.models.kimi_linear import KimiDeltaAttention, kda_block
+    from vllm_bi.ops.linear import bi_linear
+
+    Dm, Hk, Kk, Wk = 64, 2, 16, 4
+    P = Hk * Kk
+    gen = torch.Generator().manual_seed(11)
+    trainer = KimiDeltaAttention(Dm, Hk, Kk, Wk, lower_bound=-5.0)
+    trainer.load({n: torch.randn(p.shape, generator=gen) * (0.3 if p.dim() != 2 else Dm**-0.5)
+                  for n, p in trainer.weights().items()})
+    w = {n: t.detach() for n, t in trainer.weights().items()}
+
+    def lin(weight):
+        return lambda x: (bi_linear(x, weight), None)
+
+    merged = torch.cat([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["b_proj.weight"],
+                        w["f_a_proj.weight"]])
+    conv = torch.cat([w[f"{n}_conv1d.weight"] for n in "qkv"]).float()  # vLLM keeps it in fp32
+    layer = types.SimpleNamespace(
+        in_proj_qkvgfab=lin(merged), f_b_proj=lin(w["f_b_proj.weight"]), g_a_proj=lin(w["g_a_proj.weight"]),
+        g_b_proj=lin(w["g_b_proj.weight"]), o_proj=lin(w["o_proj.weight"]),
+        o_norm=types.SimpleNamespace(weight=w["o_norm.weight"], eps=1e-5), conv1d=types.SimpleNamespace(weight=conv),
+        local_num_heads=Hk, head_dim=Kk, gate_lower_bound=-5.0, A_log=w["A_log"].reshape(Hk).float(),
+        dt_bias=w["dt_bias"], prefix="kda", num_spec=0, use_full_rank_gate=False,
+        kv_cache=(torch.zeros(nslots, Wk - 1, 3 * P, dtype=torch.bfloat16), torch.zeros(nslots, Hk, Kk, Kk)))
+    x = torch.randn(13, Dm, generator=gen).bfloat16()
+    want = kda_block(x, [0, 5, 13], w, Hk, Kk, -5.0)  # two prompts of 5 and 8 tokens
+
+    def step(rows, lens_, slot_ids, fresh):
+        q = [0]
+        for n in lens_:
+            q.append(q[-1] + n)
+        step_md = types.SimpleNamespace(
+            num_actual_tokens=q[-1], num_spec_decodes=0, spec_sequence_masks=None,
+            non_spec_query_start_loc=torch.tensor(q), non_spec_state_indices_tensor=torch.tensor(slot_ids),
+            num_decodes=0 if fresh else len(lens_), num_prefills=len(lens_) if fresh else 0,
+            has_initial_state=torch.tensor([not fresh] * len(lens_)))
+        with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=False), \
+                mock.patch.object(G, "_metadata", return_value=step_md), \
+                mock.patch.object(G, "_kv_layout", return_value=False), \
+                mock.patch.object(G, "gdn_mode", return_value="recurrent"):
+            return bi_kda_forward(layer, rows)
+
+    with torch.no_grad():
+        got = step(torch.cat([x[:5], x[5:12]]), [5, 7], [1, 4], True)  # the second prompt's last token held back
+        assert torch.equal(got, torch.cat([want[:5], want[5:12]]))
+        assert torch.equal(step(x[12:13], [1], [4], False), want[12:13])  # its decode == the prompt's last row

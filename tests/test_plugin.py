@@ -188,3 +188,36 @@ def test_vllm_console_script_works_on_the_cpu_build():
     r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().startswith("0.32")
+
+
+def test_audit_accepts_a_kda_layer_only_with_vllm_bis_forward_and_its_norm_only_under_it():
+    """A Kimi KDA layer passes the audit when its forward is ``bi_kda_forward``, and its ``o_norm``
+    (``FusedRMSNormGated``, whose arithmetic that forward runs itself) only as that child; the same norm elsewhere,
+    or under a KDA layer with stock's forward, is refused."""
+    from vllm_bi.model_executor.gdn import bi_kda_forward
+    from vllm_bi.patch.audit import UnsupportedLayerError, audit_model
+
+    class FusedRMSNormGated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(4))
+
+    class KimiGatedDeltaNetAttention(torch.nn.Module):
+        forward = bi_kda_forward
+
+        def __init__(self):
+            super().__init__()
+            self.A_log = torch.nn.Parameter(torch.zeros(2))
+            self.o_norm = FusedRMSNormGated()
+
+    class StockKDA(KimiGatedDeltaNetAttention):
+        def forward(self, x):
+            return x
+
+    StockKDA.__name__ = "KimiGatedDeltaNetAttention"
+    assert audit_model(torch.nn.ModuleDict({"attn": KimiGatedDeltaNetAttention()})) == {
+        "KimiGatedDeltaNetAttention": 1, "FusedRMSNormGated": 1}
+    with pytest.raises(UnsupportedLayerError, match=r"attn \(KimiGatedDeltaNetAttention: its forward is not"):
+        audit_model(torch.nn.ModuleDict({"attn": StockKDA()}))
+    with pytest.raises(UnsupportedLayerError, match=r"norm \(FusedRMSNormGated\)"):
+        audit_model(torch.nn.ModuleDict({"norm": FusedRMSNormGated()}))

@@ -21,7 +21,7 @@ from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
-           "spec_step", "verify_rows", "is_kda"]
+           "spec_step", "verify_rows", "is_kda", "bi_kda_forward"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
@@ -114,6 +114,28 @@ def bi_gdn_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     )
     bi_gdn_core(self, mixed_qkv, b, a, core)
     return self._output_projection(core, z)
+
+
+def bi_kda_forward(self, hidden_states: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Replacement for Kimi Linear's ``KimiGatedDeltaNetAttention.forward`` under batch invariance: the trainer's
+    ``models.kimi_linear.kda_block`` over vLLM's layer and cache. The merged q/k/v/beta/f_a projection, the forget
+    gate ``f_b(f_a)`` per key channel and the output gate ``g_b(g_a(x))``, the GDN core with KDA's gate
+    (:func:`bi_gdn_core`), the sigmoid-gated norm with the layer's eps, ``o_proj``."""
+    from vllm_bi.ops.norm import gated_rms_norm
+
+    if getattr(self, "use_full_rank_gate", False):
+        raise NotImplementedError("vllm_bi: a KDA layer with a full-rank output gate (Kimi K3) is not "
+                                  "batch-invariant yet")
+    T, H, K = hidden_states.shape[0], self.local_num_heads, self.head_dim
+    P = H * K
+    projected, _ = self.in_proj_qkvgfab(hidden_states)
+    mixed_qkv, beta, f_a = projected.split([3 * P, H, K], dim=-1)
+    forget = self.f_b_proj(f_a)[0].view(T, H, K)
+    gate = self.g_b_proj(self.g_a_proj(hidden_states)[0])[0].view(T, H, K)
+    core = torch.zeros((T, H, K), dtype=hidden_states.dtype, device=hidden_states.device)
+    bi_gdn_core(self, mixed_qkv, beta, forget, core)
+    y = gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps, True, "sigmoid")
+    return self.o_proj(y.reshape(T, P))[0]
 
 
 def _metadata(layer):

@@ -40,6 +40,7 @@ BATCH_INVARIANT_LAYERS: dict[str, str] = {
     "ApplyRotaryEmb": "never called: ops.rotary replaces RotaryEmbedding's forward",
     # mixers
     "QwenGatedDeltaNetAttention": "model_executor.gdn.bi_gdn_forward",
+    "KimiGatedDeltaNetAttention": "model_executor.gdn.bi_kda_forward (checked below)",
     "Qwen2MoeMLP": "container: gate_up GEMM, SiluAndMul, down GEMM",
     "Attention": "CPU_ATTN impl routed to ops.attention.causal_attention (checked below)",
     # MoE
@@ -79,7 +80,20 @@ def _check_attention(m: torch.nn.Module) -> str | None:
     return None
 
 
+def _check_kda(m: torch.nn.Module) -> str | None:
+    from vllm_bi.model_executor.gdn import bi_kda_forward
+
+    if getattr(type(m), "forward", None) is not bi_kda_forward:
+        return "its forward is not vllm_bi's"
+    return None
+
+
+# modules whose arithmetic their parent's replaced forward runs itself: accepted only under such a parent
+_RUN_BY_PARENT = {"FusedRMSNormGated": ("KimiGatedDeltaNetAttention", "o_norm")}
+
+
 _EXTRA_CHECKS = {
+    "KimiGatedDeltaNetAttention": _check_kda,
     "Attention": _check_attention,
     "RoutedExperts": _check_routed_experts,
     "GemmaRMSNorm": _check_dispatch,
@@ -110,8 +124,17 @@ def audit_model(model: torch.nn.Module) -> dict[str, int]:
     """Check every module; returns ``{accepted class name: count}`` or raises :class:`UnsupportedLayerError`."""
     seen: dict[str, int] = {}
     problems: list[str] = []
+    modules = dict(model.named_modules())
     for name, m in model.named_modules():
         known = _known(m)
+        owner = _RUN_BY_PARENT.get(type(m).__name__)
+        if known is None and owner is not None and "." in name:
+            parent_name, attr = name.rsplit(".", 1)
+            parent = modules.get(parent_name)
+            if (attr == owner[1] and parent is not None and _known(parent) == owner[0]
+                    and _check_kda(parent) is None):
+                seen[type(m).__name__] = seen.get(type(m).__name__, 0) + 1
+                continue
         own_params = any(True for _ in m.parameters(recurse=False))
         if known is None:
             if own_params or _is_custom_op(m):

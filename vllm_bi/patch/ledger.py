@@ -87,6 +87,12 @@ LEDGER: tuple[Patch, ...] = (
         "vllm_bi.model_executor.gdn:bi_gdn_forward", GDN_PR,
         "vLLM's GDN forward is batch-invariant with the trainer's arithmetic")
       for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu")),
+    P("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention.forward", CPU,
+      "stock runs Triton KDA kernels (no CPU forward) and a CUDA-only state gather",
+      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core, recurrent mode, fp32 state "
+      "(Kimi Linear itself stays refused until its MLA and router are batch-invariant too)",
+      "vllm_bi.model_executor.gdn:bi_kda_forward", GDN_PR,
+      "vLLM's KDA forward is batch-invariant with the trainer's arithmetic"),
     P("vllm.model_executor.warmup.kernel_warmup:qwen_triton_warmup", ALL,
       "warms vLLM's GDN Triton kernels, which BI never runs, and assumes stock conv-state shapes",
       "a no-op that logs why", "vllm_bi.patch.gdn_backend:skip_qwen_gdn_warmup",
