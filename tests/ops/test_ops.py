@@ -241,3 +241,23 @@ def test_sigmoid_topk_routes_by_biased_scores_and_weights_by_unbiased_ones():
     assert sigmoid_topk(tie, 2, False, None)[1].tolist() == [[0, 1]]
     _, plain = sigmoid_topk(logits, 2, True, None, 2.5)
     assert not torch.equal(plain, ids), "control: the bias should change the choice"
+
+
+def test_cpu_grouped_router_is_the_trainers_sigmoid_router_under_the_ledger(monkeypatch):
+    """The ledger row for vLLM's CPU grouped top-k router (what a Kimi Linear MoE calls) gives ``sigmoid_topk``'s
+    weights and ids bit for bit, and refuses softmax scores or several expert groups by name."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    from vllm_bi.ops.moe import sigmoid_topk
+    from vllm_bi.patch.ledger import LEDGER, apply_row
+
+    row = next(p for p in LEDGER if p.target.endswith("cpu_router:_grouped_topk"))
+    apply_row(row, monkeypatch.setattr)
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(33, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    w, ids = cpu_router._grouped_topk(logits, 8, True, 1, 1, "sigmoid", 2.5, bias)
+    w_ref, ids_ref = sigmoid_topk(logits, 8, True, bias, 2.5)
+    assert torch.equal(w, w_ref) and torch.equal(ids, ids_ref)
+    for scoring, groups in (("softmax", 1), ("sigmoid", 4)):
+        with pytest.raises(NotImplementedError, match="not batch-invariant yet"):
+            cpu_router._grouped_topk(logits, 8, True, groups, 1, scoring, 1.0, bias)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["experts_apply", "SUPPORTS_BATCH_INVARIANCE", "wrap_reduce_final_output",
+__all__ = ["experts_apply", "grouped_topk", "SUPPORTS_BATCH_INVARIANCE", "wrap_reduce_final_output",
            "wrap_reduce_shared_expert_output"]
 
 
@@ -34,6 +34,19 @@ def experts_apply(
     exact = exact_tp_sum if get_tensor_model_parallel_world_size() > 1 else None
     output.copy_(moe_experts(hidden_states, w1, w2, topk_weights, topk_ids, apply_router_weight_on_input,
                              sum_partials=exact))
+
+
+def grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func, routed_scaling_factor,
+                 e_score_correction_bias):
+    """vLLM's CPU grouped top-k router -> :func:`vllm_bi.ops.moe.sigmoid_topk` (Kimi Linear's router: sigmoid
+    scores, one expert group, a score correction bias, renormalised, scaled). Any other grouping or scoring is
+    refused by name: the trainer has no router for it."""
+    from vllm_bi.ops.moe import sigmoid_topk
+
+    if scoring_func != "sigmoid" or num_expert_group not in (None, 1) or topk_group not in (None, 1):
+        raise NotImplementedError(f"vllm_bi: MoE routing with {scoring_func} scores over {num_expert_group} expert "
+                                  "groups is not batch-invariant yet (sigmoid scores in one group are)")
+    return sigmoid_topk(gating_output, topk, renormalize, e_score_correction_bias, routed_scaling_factor)
 
 
 def _true() -> bool:

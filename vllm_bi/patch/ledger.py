@@ -246,6 +246,9 @@ LEDGER: tuple[Patch, ...] = (
           ("apply", "ops.moe.moe_experts", "cpu_moe", "experts_apply"))),
     P(f"{_ROUTER}.cpu_router:_softmax_topk", CPU, "the trainer's router", "ops.moe.softmax_topk",
       "vllm_bi.ops.moe:softmax_topk"),
+    P(f"{_ROUTER}.cpu_router:_grouped_topk", CPU, "the trainer's router (its top-k sum runs in another order)",
+      "ops.moe.sigmoid_topk for sigmoid scores in one group; other groupings refused",
+      "vllm_bi.patch.cpu_moe:grouped_topk"),
     *(P(f"{_RUNNER}.{name}", CPU, "under TP the experts already hold exact full sums",
         "no all-reduce under TP", f"vllm_bi.patch.cpu_moe:{fn}", wraps=True,
         remove_when="vLLM's TP reductions are exact")
