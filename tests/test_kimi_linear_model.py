@@ -98,19 +98,7 @@ def test_kimi_linear_matches_float64_and_its_gradients(ckpt):
     (-lp.mean()).backward()
     (-ref_lp.mean()).backward()
     ours = model.hf_state_dict()
-    grads = {}
-    for key, p in model.params.items():  # our gradients under the checkpoint's names (experts split as there)
-        name = key.replace(":", ".")
-        if name.endswith(".block_sparse_moe.w13"):
-            I = p.shape[1] // 2
-            for e in range(p.shape[0]):
-                grads[name[:-3] + f"experts.{e}.w1.weight"] = p.grad[e, :I]
-                grads[name[:-3] + f"experts.{e}.w3.weight"] = p.grad[e, I:]
-        elif name.endswith(".block_sparse_moe.w2"):
-            for e in range(p.shape[0]):
-                grads[name[:-2] + f"experts.{e}.w2.weight"] = p.grad[e]
-        else:
-            grads[name] = p.grad
+    grads = model.hf_state_dict(grads=True)  # our gradients under the checkpoint's names (experts split as there)
     assert set(grads) == set(ours)
     worst, checked = (1.0, 0.0, ""), 0
     for name, g in grads.items():

@@ -48,6 +48,8 @@ def _check_kda(gating: str, mode: str, device: torch.device) -> None:
     if device.type != "cpu":
         raise NotImplementedError("Kimi Delta Attention's batch-invariant core runs on CPU only in this release "
                                   f"(got {device.type}): serve the model without VLLM_BATCH_INVARIANT=1")
+
+
 _INDEX_CACHE = 64
 
 

@@ -8,8 +8,10 @@ per key channel, the GDN core with ``gating="kda"``, the output norm gated by ``
 fixed eps, the output projection). :func:`mla_block` is the MLA layer in one formulation, keys and values
 decompressed from the latent (``kv_b_proj``) for every row: vLLM computes prefill that way but decode in the
 weight-absorbed latent form, other arithmetic, so a batch-invariant server must serve this one for both. The model
-(:class:`KimiLinearForCausalLM`) composes them with the dense and the sigmoid-routed MoE MLPs. The server side is not
-built yet: Kimi Linear is refused under batch invariance until it is (``vllm_bi.patch.model_families``).
+(:class:`KimiLinearForCausalLM`) composes them with the dense and the sigmoid-routed MoE MLPs. Of the server side,
+the KDA layer (``model_executor.gdn.bi_kda_forward``) and the router (``patch.cpu_moe.grouped_topk``) exist on CPU,
+the MLA layer not yet: Kimi Linear is refused under batch invariance until it does
+(``vllm_bi.patch.model_families``).
 
 Legend: ``T`` packed tokens, ``D`` hidden size, ``H`` KDA heads, ``K`` the KDA head dim (q, k and v alike), ``NH``
 MLA heads.
@@ -31,15 +33,28 @@ from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, sigmoid_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 
-__all__ = ["KDA_NORM_EPS", "KDA_WEIGHTS", "kda_block", "KimiDeltaAttention", "KimiConfig", "mla_block",
+__all__ = ["KDA_NORM_EPS", "KDA_WEIGHTS", "kda_shapes", "kda_block", "KimiDeltaAttention", "KimiConfig", "mla_block",
            "kimi_moe_block", "KimiLinearForCausalLM"]
 
 # vLLM builds the KDA output norm with FusedRMSNormGated's default eps, not the config's rms_norm_eps
 KDA_NORM_EPS = 1e-5
-# a KDA layer's tensors under the checkpoint's names (``model.layers.N.self_attn.<name>``)
-KDA_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
-               "v_conv1d.weight", "b_proj.weight", "f_a_proj.weight", "f_b_proj.weight", "g_a_proj.weight",
-               "g_b_proj.weight", "A_log", "dt_bias", "o_norm.weight", "o_proj.weight")
+
+
+def kda_shapes(hidden: int, num_heads: int, head_dim: int, conv_size: int) -> dict[str, tuple[tuple[int, ...],
+                                                                                              torch.dtype]]:
+    """A KDA layer's tensors under the checkpoint's names (``model.layers.N.self_attn.<name>``), in order: each one's
+    shape and the dtype the trainer holds it in."""
+    P, bf, f32 = num_heads * head_dim, torch.bfloat16, torch.float32
+    return {"q_proj.weight": ((P, hidden), bf), "k_proj.weight": ((P, hidden), bf),
+            "v_proj.weight": ((P, hidden), bf), "q_conv1d.weight": ((P, 1, conv_size), bf),
+            "k_conv1d.weight": ((P, 1, conv_size), bf), "v_conv1d.weight": ((P, 1, conv_size), bf),
+            "b_proj.weight": ((num_heads, hidden), bf), "f_a_proj.weight": ((head_dim, hidden), bf),
+            "f_b_proj.weight": ((P, head_dim), bf), "g_a_proj.weight": ((head_dim, hidden), bf),
+            "g_b_proj.weight": ((P, head_dim), bf), "A_log": ((1, 1, num_heads, 1), f32), "dt_bias": ((P,), f32),
+            "o_norm.weight": ((head_dim,), bf), "o_proj.weight": ((hidden, P), bf)}
+
+
+KDA_WEIGHTS = tuple(kda_shapes(1, 1, 1, 1))
 
 
 def kda_block(x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor], num_heads: int, head_dim: int,
@@ -73,18 +88,8 @@ class KimiDeltaAttention(nn.Module):
                  lower_bound: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.lower_bound = num_heads, head_dim, lower_bound
-        P = num_heads * head_dim
-        shapes = {"q_proj.weight": (P, hidden), "k_proj.weight": (P, hidden), "v_proj.weight": (P, hidden),
-                  "q_conv1d.weight": (P, 1, conv_size), "k_conv1d.weight": (P, 1, conv_size),
-                  "v_conv1d.weight": (P, 1, conv_size), "b_proj.weight": (num_heads, hidden),
-                  "f_a_proj.weight": (head_dim, hidden), "f_b_proj.weight": (P, head_dim),
-                  "g_a_proj.weight": (head_dim, hidden), "g_b_proj.weight": (P, head_dim),
-                  "A_log": (1, 1, num_heads, 1), "dt_bias": (P,), "o_norm.weight": (head_dim,),
-                  "o_proj.weight": (hidden, P)}
-        fp32 = {"A_log", "dt_bias"}
-        for name in KDA_WEIGHTS:
-            dtype = torch.float32 if name in fp32 else torch.bfloat16
-            self.register_parameter(name.replace(".", "_"), nn.Parameter(torch.zeros(shapes[name], dtype=dtype)))
+        for name, (shape, dtype) in kda_shapes(hidden, num_heads, head_dim, conv_size).items():
+            self.register_parameter(name.replace(".", "_"), nn.Parameter(torch.zeros(shape, dtype=dtype)))
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name.replace(".", "_")) for name in KDA_WEIGHTS}
@@ -233,9 +238,8 @@ class KimiLinearForCausalLM(nn.Module):
             yield f"{p}.input_layernorm.weight", (D,), bf
             yield f"{p}.post_attention_layernorm.weight", (D,), bf
             if c.is_kda(i):
-                kda = KimiDeltaAttention(D, c.kda_heads, c.kda_head_dim, c.conv_size)
-                for name, t in kda.weights().items():
-                    yield f"{p}.self_attn.{name}", tuple(t.shape), t.dtype
+                for name, (shape, dtype) in kda_shapes(D, c.kda_heads, c.kda_head_dim, c.conv_size).items():
+                    yield f"{p}.self_attn.{name}", shape, dtype
             else:
                 yield f"{p}.self_attn.q_proj.weight", (NH * (nope + rope), D), bf
                 yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (r + rope, D), bf
@@ -300,19 +304,20 @@ class KimiLinearForCausalLM(nn.Module):
                                      f"{tuple(p.shape)}")
                 p.copy_(t.to(p.dtype))
 
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The parameters under the checkpoint's names, the stacked experts split back into ``experts.E.w1/w3/w2``."""
+    def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
+        """The parameters (with ``grads``: their gradients, None where a parameter has none) under the checkpoint's
+        names, the stacked experts split back into ``experts.E.w1/w3/w2``."""
         out = {}
         for key, p in self.params.items():
-            name, t = key.replace(":", "."), p.detach()
+            name, t = key.replace(":", "."), (p.grad if grads else p.detach())
             if name.endswith(".block_sparse_moe.w13"):
-                I = t.shape[1] // 2
-                for e in range(t.shape[0]):
-                    out[name[: -len("w13")] + f"experts.{e}.w1.weight"] = t[e, :I].contiguous()
-                    out[name[: -len("w13")] + f"experts.{e}.w3.weight"] = t[e, I:].contiguous()
+                I = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    out[name[: -len("w13")] + f"experts.{e}.w1.weight"] = None if t is None else t[e, :I].contiguous()
+                    out[name[: -len("w13")] + f"experts.{e}.w3.weight"] = None if t is None else t[e, I:].contiguous()
             elif name.endswith(".block_sparse_moe.w2"):
-                for e in range(t.shape[0]):
-                    out[name[: -len("w2")] + f"experts.{e}.w2.weight"] = t[e].contiguous()
+                for e in range(p.shape[0]):
+                    out[name[: -len("w2")] + f"experts.{e}.w2.weight"] = None if t is None else t[e].contiguous()
             else:
                 out[name] = t
         return out

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_bi import settings
+
 __all__ = ["ALIGN", "canonical_rows", "aligned", "wanted"]
 
 ALIGN = 16  # Triton's divisibility assumption: bytes for a pointer, the value for an integer
@@ -21,8 +23,6 @@ ALIGN = 16  # Triton's divisibility assumption: bytes for a pointer, the value f
 def wanted(x: torch.Tensor) -> bool:
     """Whether a kernel reads ``x``'s rows in the one layout: always off CUDA (Triton's interpreter, for tests); on
     CUDA as :data:`vllm_bi.settings.CANONICAL_ROWS_CUDA` says."""
-    from vllm_bi import settings
-
     return x.device.type != "cuda" or settings.CANONICAL_ROWS_CUDA
 
 

@@ -132,7 +132,7 @@ def audit_model(model: torch.nn.Module) -> dict[str, int]:
             parent_name, attr = name.rsplit(".", 1)
             parent = modules.get(parent_name)
             if (attr == owner[1] and parent is not None and _known(parent) == owner[0]
-                    and _check_kda(parent) is None):
+                    and _EXTRA_CHECKS[owner[0]](parent) is None):
                 seen[type(m).__name__] = seen.get(type(m).__name__, 0) + 1
                 continue
         own_params = any(True for _ in m.parameters(recurse=False))
