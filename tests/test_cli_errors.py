@@ -43,6 +43,7 @@ def inputs(tmp_path):
     write("gdn/config.json", GDN_CONFIG)
     write("corrupt/config.json", '{"architectures": ["Qwen3Next')
     write("llama/config.json", '{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    write("kimi/config.json", '{"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"}')
     write("noconfig/weights.txt", "")
     write("other/notes.txt", "not a model")
     write("run/metrics.jsonl", '{"step": 0, "reward/mean": 0.5}\n{"step": 1, "rew\n')
@@ -68,7 +69,7 @@ CASES = [
      r"--model \S+/noconfig: no config\.json in it; give the directory of a Hugging Face checkpoint"),
     ("parity-not-a-gdn-model", CLI + ["parity", "--model", "{tmp}/llama"], {}, USAGE,
      r"--model \S+/llama: architecture LlamaForCausalLM is not a GDN hybrid vllm_bi supports; give a checkpoint of "
-     r"Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM$"),
+     r"Qwen3NextForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, KimiLinearForCausalLM$"),
     ("parity-trainer-model-not-gdn", CLI + ["parity", "--model", "{tmp}/gdn", "--trainer-model", "{tmp}/llama"], {},
      USAGE, r"--trainer-model \S+/llama: architecture LlamaForCausalLM is not a GDN hybrid"),
     ("parity-n-0", CLI + ["parity", "--model", "{tmp}/gdn", "--n", "0"], {}, USAGE,
@@ -106,6 +107,11 @@ CASES = [
      r"argument --prompt-len: must be between 1 and 511, got 0"),
     ("demo-no-model-dir", CLI + ["demo", "--model", "/nonexistent"], {}, USAGE,
      r"^vllm-bi demo: error: --model /nonexistent: no such directory"),
+    ("demo-kimi-linear", CLI + ["demo", "--model", "{tmp}/kimi"], {}, USAGE,
+     r"^vllm-bi demo: error: --model \S+/kimi: vllm-bi demo does not run KimiLinearForCausalLM yet \(`vllm serve` and "
+     r"`vllm-bi parity` do\); give a checkpoint of Qwen3NextForCausalLM"),
+    ("parity-kimi-linear-hf", CLI + ["parity", "--model", "{tmp}/kimi", "--trainer", "hf"], {}, USAGE,
+     r"--trainer hf: transformers has no KimiLinearForCausalLM class .*; use --trainer vllm_bi$"),
     ("demo-not-a-gdn-model", CLI + ["demo", "--model", "{tmp}/llama"], {}, USAGE,
      r"^vllm-bi demo: error: --model \S+/llama: architecture LlamaForCausalLM is not a GDN hybrid"),
     ("demo-busy-0", CLI + ["demo", "--busy", "0"], {}, USAGE, r"argument --busy: must be between 1 and 64, got 0"),
@@ -124,6 +130,8 @@ CASES = [
      r"argument --entropy: must be a finite number > 0, got 0"),
     ("trainer-corrupt-config", TRAINER + ["--model", "{tmp}/corrupt", "--run-dir", "{tmp}/r"], {}, USAGE,
      r"^error: \S+/corrupt/config\.json: not valid JSON .*restore the checkpoint's config\.json$"),
+    ("trainer-kimi-linear", TRAINER + ["--model", "{tmp}/kimi", "--run-dir", "{tmp}/r"], {}, USAGE,
+     r"^error: --model \S+/kimi: the RL trainer does not run KimiLinearForCausalLM yet"),
     ("trainer-not-a-gdn-model", TRAINER + ["--model", "{tmp}/llama", "--run-dir", "{tmp}/r"], {}, USAGE,
      r"^error: --model \S+/llama: architecture LlamaForCausalLM is not a GDN hybrid"),
     ("trainer-server-down", TRAINER + ["--model", "{tmp}/gdn", "--server-url", "{closed}", "--run-dir", "{tmp}/r"],

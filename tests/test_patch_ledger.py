@@ -63,3 +63,24 @@ def test_rows_follow_the_settings():
 @pytest.mark.server
 def test_ledger_is_exactly_what_a_served_model_changed(tiny_model_path, tmp_path):
     check_ledger(tiny_model_path("qwen3.5"), "cpu", tmp_path)
+
+
+def test_an_on_import_row_applies_when_its_module_is_first_imported(tmp_path, monkeypatch):
+    """A row of kind ``on_import`` whose module is not imported yet waits, and is applied right after vLLM (here: a
+    module of this test) first imports it, before the importer goes on; its callback says when."""
+    import sys
+
+    from vllm_bi.patch import ledger as L
+
+    (tmp_path / "vllm_bi_late_target.py").write_text("def f():\n    return 'stock'\n\n\nFIRST = f()\n")
+    (tmp_path / "vllm_bi_late_new.py").write_text("def f():\n    return 'patched'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = L.Patch("vllm_bi_late_target:f", "all", "why", "how", "vllm_bi_late_new:f", kind="on_import")
+    seen = []
+    L.apply_row(row, monkeypatch.setattr, seen.append)
+    assert seen == [] and "vllm_bi_late_target" not in sys.modules
+    import vllm_bi_late_target as target
+
+    assert seen == [row] and target.f() == "patched" and target.FIRST == "stock"
+    assert "vllm_bi_late_target" not in L._AFTER_IMPORT.pending
+    monkeypatch.delitem(sys.modules, "vllm_bi_late_target")

@@ -107,7 +107,7 @@ def _cmd_demo(args) -> int:
     if model is not None:
         from vllm_bi.model_dir import read_model_config
 
-        read_model_config(model, "--model")  # before the server starts: a missing or corrupt checkpoint, one line
+        read_model_config(model, "--model", qwen_only="vllm-bi demo")  # before the server starts: one line
     _check_settings()
     if model is None:
         model = os.path.abspath(os.path.join(args.workdir, f"tiny-{args.family}"))

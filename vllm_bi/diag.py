@@ -63,9 +63,9 @@ def layer_diff(model: str, trainer_model: str | None = None, prompt_len: int = 2
     from vllm_bi.model_dir import read_model_config
     from vllm_bi.settings import current
 
-    read_model_config(model, "--model")
+    read_model_config(model, "--model", qwen_only="vllm-bi diag")
     if trainer_model is not None:
-        read_model_config(trainer_model, "--trainer-model")
+        read_model_config(trainer_model, "--trainer-model", qwen_only="vllm-bi diag")
     if not 1 <= prompt_len < _MAX_MODEL_LEN:
         raise UsageError(f"--prompt-len must be between 1 and {_MAX_MODEL_LEN - 1}, got {prompt_len}")
     current()

@@ -14,20 +14,25 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "read_tensors", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "QWEN_ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "read_tensors", "write_checkpoint"]
 
 # config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
-ARCHITECTURES = {
+QWEN_ARCHITECTURES = {
     "Qwen3NextForCausalLM": ("qwen3-next", True),
     "Qwen3_5ForCausalLM": ("qwen3.5", False),
     "Qwen3_5MoeForCausalLM": ("qwen3.5-moe", False),
 }
+# config.json architecture -> vllm_bi's family name: every architecture the trainer builds and the server serves
+ARCHITECTURES = {**{arch: family for arch, (family, _) in QWEN_ARCHITECTURES.items()},
+                 "KimiLinearForCausalLM": "kimi-linear"}
 
 
-def read_model_config(path: str, flag: str = "--model", supported: bool = True) -> dict:
+def read_model_config(path: str, flag: str = "--model", supported: bool = True, qwen_only: str = "") -> dict:
     """``path``'s ``config.json`` as a dict. Raises :class:`UsageError` naming ``flag``, the problem and the fix
     when ``path`` is not a directory, has no readable ``config.json``, the file is not a JSON object, or (with
-    ``supported``) its first architecture is not one of :data:`ARCHITECTURES`."""
+    ``supported``) its first architecture is not one of :data:`ARCHITECTURES`; with ``qwen_only`` (the command's
+    name), also when it is not one of :data:`QWEN_ARCHITECTURES` (Kimi Linear is served and checked by
+    ``vllm-bi parity``, not yet trained)."""
     where = f"{flag} {path}"
     if not os.path.isdir(path):
         raise UsageError(f"{where}: no such directory; give a local Hugging Face checkpoint directory "
@@ -57,6 +62,9 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True) 
         if arch not in ARCHITECTURES:
             raise UsageError(f"{where}: architecture {arch} is not a GDN hybrid vllm_bi supports; give a checkpoint "
                              f"of {', '.join(ARCHITECTURES)}")
+        if qwen_only and arch not in QWEN_ARCHITECTURES:
+            raise UsageError(f"{where}: {qwen_only} does not run {arch} yet (`vllm serve` and `vllm-bi parity` do); "
+                             f"give a checkpoint of {', '.join(QWEN_ARCHITECTURES)}")
     return cfg
 
 

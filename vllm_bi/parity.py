@@ -3,7 +3,7 @@
 Samples completions from a batch-invariant vLLM server (one it starts, or one
 already running), sends them all at once so they share busy batches,
 recomputes every sampled token's logprob with the trainer-side model
-(:class:`vllm_bi.models.qwen_gdn.QwenGDNForCausalLM`), and
+(:func:`vllm_bi.models.from_pretrained`: the Qwen GDN hybrids' or Kimi Linear's), and
 reports how many are bitwise equal. Exit status 0 only when all are.
 :func:`check_inputs` refuses bad input (the model directory and its architecture, counts, settings) before a
 server starts.
@@ -159,9 +159,9 @@ def default_trainer_device() -> str:
 
 
 def _recompute_vllm_bi(model_dir: str, completions, pack: int, progress, device: str):
-    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+    from vllm_bi.models import from_pretrained
 
-    return trainer_logprobs(QwenGDNForCausalLM.from_pretrained(model_dir).to(device), completions, pack, progress)
+    return trainer_logprobs(from_pretrained(model_dir).to(device), completions, pack, progress)
 
 
 def _recompute_hf(model_dir: str, completions, pack: int, progress, device: str = "cpu"):
@@ -291,9 +291,13 @@ def check_inputs(model: str, trainer: str = "vllm_bi", trainer_model: str | None
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}: there would be no token to compare")
     mine = trainer != "hf"  # vllm_bi's model, or transformers' adapted to vllm_bi's ops: a supported architecture
-    read_model_config(model, "--model", supported=mine and trainer_model is None)
+    cfg = read_model_config(model, "--model", supported=mine and trainer_model is None)
     if trainer_model is not None:
-        read_model_config(trainer_model, "--trainer-model", supported=mine)
+        cfg = read_model_config(trainer_model, "--trainer-model", supported=mine)
+    arch = (cfg.get("architectures") or [None])[0]
+    if trainer != "vllm_bi" and arch == "KimiLinearForCausalLM":
+        raise UsageError(f"--trainer {trainer}: transformers has no {arch} class (Kimi's modelling code is remote "
+                         "code, which vllm_bi does not run); use --trainer vllm_bi")
     current()  # a bad VLLM_BI_* value: refused here rather than by the server it would start
     if trainer_device == "cuda":
         import torch

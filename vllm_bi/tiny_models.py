@@ -35,7 +35,7 @@ from vllm_bi.errors import OutputExists, UsageError
 __all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus",
            "kimi_linear_config", "build_tiny_kimi_linear"]
 
-FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe")
+FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "kimi-linear")
 
 _WORDS = (
     "the a one two three four five six seven eight nine ten red green blue small large quick slow "
@@ -218,41 +218,10 @@ def _read_stamp(path: str):
         return None
 
 
-def build_tiny_model(
-    family: str,
-    path: str,
-    seed: int = 0,
-    spec: TinyModelSpec | None = None,
-    overwrite: bool = False,
-) -> str:
-    """Write a random-weight ``family`` model (bf16 safetensors) and tokenizer to ``path``.
-
-    Deterministic in ``seed``. Returns ``path``. An existing model directory is
-    reused unless ``overwrite`` (its ``vllm_bi_tiny.json`` must match the request).
-    """
-    if family not in FAMILIES:
-        raise UsageError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    spec = spec or TinyModelSpec()
-    stamp = {"family": family, "seed": seed, "spec": spec.__dict__}
-    stamp_path = os.path.join(path, "vllm_bi_tiny.json")
-    if not overwrite:  # refused before anything is built
-        if os.path.exists(stamp_path):
-            if _read_stamp(stamp_path) == stamp:
-                return path
-            raise OutputExists(path, "holds a different tiny model")
-        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-            raise OutputExists(path, "exists and holds no tiny model")
+def _write_transformers_model(family: str, spec: TinyModelSpec, seed: int, eos_id: int, path: str) -> None:
     import torch
 
-    # built in a folder of its own, then renamed into place: a process that finds the stamp finds a whole model,
-    # and two processes building the same model do not interleave their writes
-    final, path = path, f"{path.rstrip(os.sep)}.building-{os.getpid()}"
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-    tok = build_tokenizer(path, vocab_size=spec.vocab_size, seed=seed)
-    if len(tok) > spec.vocab_size:
-        raise RuntimeError(f"tokenizer has {len(tok)} tokens > vocab_size {spec.vocab_size}")
-    cfg = _config(family, spec, tok.eos_token_id)
+    cfg = _config(family, spec, eos_id)
     torch.manual_seed(seed)
     model = _model_class(family)(cfg)
     # HF initialises the GDN decay parameters deterministically; randomise them a
@@ -268,6 +237,46 @@ def build_tiny_model(
     model = model.to(torch.bfloat16)
     model.config.torch_dtype = "bfloat16"
     model.save_pretrained(path, safe_serialization=True)
+
+
+def build_tiny_model(
+    family: str,
+    path: str,
+    seed: int = 0,
+    spec: TinyModelSpec | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Write a random-weight ``family`` model (bf16 safetensors) and tokenizer to ``path``.
+
+    Deterministic in ``seed``. Returns ``path``. An existing model directory is
+    reused unless ``overwrite`` (its ``vllm_bi_tiny.json`` must match the request).
+    """
+    if family not in FAMILIES:
+        raise UsageError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if family == "kimi-linear" and spec not in (None, TinyModelSpec()):
+        raise UsageError("kimi-linear comes in one size (tiny_models.kimi_linear_config); use the default spec")
+    spec = spec or TinyModelSpec()
+    stamp = {"family": family, "seed": seed, "spec": spec.__dict__}
+    stamp_path = os.path.join(path, "vllm_bi_tiny.json")
+    if not overwrite:  # refused before anything is built
+        if os.path.exists(stamp_path):
+            if _read_stamp(stamp_path) == stamp:
+                return path
+            raise OutputExists(path, "holds a different tiny model")
+        if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+            raise OutputExists(path, "exists and holds no tiny model")
+    # built in a folder of its own, then renamed into place: a process that finds the stamp finds a whole model,
+    # and two processes building the same model do not interleave their writes
+    final, path = path, f"{path.rstrip(os.sep)}.building-{os.getpid()}"
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    tok = build_tokenizer(path, vocab_size=spec.vocab_size, seed=seed)
+    if len(tok) > spec.vocab_size:
+        raise RuntimeError(f"tokenizer has {len(tok)} tokens > vocab_size {spec.vocab_size}")
+    if family == "kimi-linear":  # transformers has no Kimi Linear class (its modelling code is remote code)
+        build_tiny_kimi_linear(path, seed, vocab_size=spec.vocab_size, eos_token_id=tok.eos_token_id)
+    else:
+        _write_transformers_model(family, spec, seed, tok.eos_token_id, path)
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}, f)
     with open(os.path.join(path, "vllm_bi_tiny.json"), "w") as f:
@@ -285,16 +294,18 @@ def build_tiny_model(
     return final
 
 
-def kimi_linear_config(vocab_size: int = 512, hidden: int = 64, layers: int = 4, gate_lower_bound=-5.0) -> dict:
+def kimi_linear_config(vocab_size: int = 512, hidden: int = 64, layers: int = 4, gate_lower_bound=-5.0,
+                       eos_token_id: int = 0) -> dict:
     """A small Kimi Linear ``config.json``: KDA layers at the odd places (1-based, as the config counts), MLA with no
-    rotary at the even ones, a dense first MLP, then a sigmoid-routed MoE of 4 experts (top 2) and a shared one."""
+    rotary at the even ones (a latent of 256 + 64: vLLM's MLA metadata takes latent heads of 320, 512 and 576 only),
+    a dense first MLP, then a sigmoid-routed MoE of 4 experts (top 2) and a shared one."""
     return {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "vocab_size": vocab_size,
         "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": hidden // 2, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0, "dtype": "bfloat16",
-        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id, "dtype": "bfloat16",
+        "q_lora_rank": None, "kv_lora_rank": 256, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32,
         "mla_use_nope": True, "mla_use_output_gate": False,
         "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": hidden,
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446,

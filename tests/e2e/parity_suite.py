@@ -80,10 +80,10 @@ def check_p4(model_path: str, label: str, *results) -> int:
 
     Also: the trainer's result for a sequence is identical packed with 15 others or alone.
     """
-    from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+    from vllm_bi.models import from_pretrained
     from vllm_bi.parity import trainer_logprobs
 
-    model = QwenGDNForCausalLM.from_pretrained(model_path)
+    model = from_pretrained(model_path)
     comps = _unique_completions(*results)
     got = trainer_logprobs(model, comps, pack=16)
     n = _count_equal(comps, got, f"{label}: P4 broken", "trainer")

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_bi.errors import SettingsMismatch, UsageError
-from vllm_bi.model_dir import ARCHITECTURES
+from vllm_bi.model_dir import QWEN_ARCHITECTURES
 from vllm_bi.models.qwen_gdn import (
     HybridConfig,
     attention_block,
@@ -158,7 +158,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
 
 def _architecture(model) -> str:
     for cls in type(model).__mro__:  # FSDP2 and others subclass the model's class
-        if cls.__name__ in ARCHITECTURES:
+        if cls.__name__ in QWEN_ARCHITECTURES:
             return cls.__name__
     if any(cls.__module__.split(".")[0] == "peft" for cls in type(model).__mro__):
         raise UsageError(f"{_WHERE}: the model is a peft wrapper ({type(model).__name__}) with unmerged adapters; "
@@ -167,7 +167,7 @@ def _architecture(model) -> str:
     if type(model).__name__.endswith("ForConditionalGeneration"):
         hint = " (a multimodal model: load the text-only class, e.g. Qwen3_5ForCausalLM, from the checkpoint)"
     raise UsageError(f"{_WHERE}: {type(model).__name__} is not a GDN hybrid vllm_bi supports{hint}; give a "
-                     f"{', '.join(ARCHITECTURES)}")
+                     f"{', '.join(QWEN_ARCHITECTURES)}")
 
 
 def _expected_parameters(c: HybridConfig) -> set[str]:

@@ -28,7 +28,9 @@ from torch import nn
 
 from vllm_bi.gdn.layer import gdn_varlen
 from vllm_bi.model_dir import read_tensors
-from vllm_bi.models.qwen_gdn import decoder_layer, mlp_block, next_token_logprobs, packed_causal_attention
+from vllm_bi.models.qwen_gdn import (completion_logprobs, decoder_layer, mlp_block, next_token_logprobs,
+                                     packed_causal_attention)
+from vllm_bi.ops.attention import latent_keys_values
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, sigmoid_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
@@ -176,22 +178,16 @@ class KimiConfig:
 
 def mla_block(c: KimiConfig, x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
     """Kimi Linear's MLA (no rotary, a full-rank query) over packed sequences, keys and values decompressed from the
-    latent for every row: ``x [T, D]`` -> ``[T, D]``. ``w``: ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
-    ``kv_b_proj``, ``o_proj`` (``.weight``). The shared rope part of the key is one head broadcast to all; values
-    are zero-padded to the key's head dim for the attention op and cut back after (the zero columns change no
-    other column)."""
+    latent for every row (:func:`vllm_bi.ops.attention.latent_keys_values`, as the server decompresses its cache):
+    ``x [T, D]`` -> ``[T, D]``. ``w``: ``q_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``,
+    ``o_proj`` (``.weight``)."""
     T, NH = x_TD.shape[0], c.num_attention_heads
     nope, rope, dv, r = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
     dqk = nope + rope
     q = bi_linear(x_TD, w["q_proj.weight"]).view(T, NH, dqk)
     kv_a = bi_linear(x_TD, w["kv_a_proj_with_mqa.weight"])
     latent = rms_norm_maybe_residual(kv_a[:, :r], None, w["kv_a_layernorm.weight"], c.rms_norm_eps)
-    k_pe = kv_a[:, r:].reshape(T, 1, rope)
-    kv = bi_linear(latent, w["kv_b_proj.weight"]).view(T, NH, nope + dv)
-    k = torch.cat([kv[..., :nope], k_pe.expand(T, NH, rope)], dim=-1)
-    v = kv[..., nope:]
-    if dv < dqk:
-        v = torch.nn.functional.pad(v, (0, dqk - dv))
+    k, v = latent_keys_values(latent, kv_a[:, r:], w["kv_b_proj.weight"], NH, nope, dv)
     out = packed_causal_attention(q, k, v, cu, dqk**-0.5)[..., :dv]
     return bi_linear(out.reshape(T, NH * dv), w["o_proj.weight"])
 
@@ -322,8 +318,9 @@ class KimiLinearForCausalLM(nn.Module):
                 out[name] = t
         return out
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
-        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0)."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens, prompt_lens=None) -> torch.Tensor:
+        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0). ``prompt_lens`` is not read (the
+        hybrid GDN mode's argument; Kimi's KDA layers run the recurrent mode)."""
         c = self.c
         cu = [int(x) for x in cu_seqlens]
         h = self.w("model.embed_tokens.weight")[input_ids]
@@ -353,8 +350,14 @@ class KimiLinearForCausalLM(nn.Module):
 
             h, residual = decoder_layer(h, residual, norm("input_layernorm"), mixer, norm("post_attention_layernorm"),
                                         mlp)
-        h, _ = rms_norm_maybe_residual(h, residual, self.w("model.norm.weight"), c.rms_norm_eps)
+        # the last residual added in bf16, then the final norm alone: vLLM's Kimi model ends its forward with the sum
+        # and normalises in compute_logits (a fused add-and-norm keeps the sum in fp32: other bits)
+        h = rms_norm_maybe_residual(h + residual, None, self.w("model.norm.weight"), c.rms_norm_eps)
         return bi_linear(h, self.w("lm_head.weight"))
+
+    def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
+        """:func:`vllm_bi.models.qwen_gdn.completion_logprobs` of this model."""
+        return completion_logprobs(self, pairs, entropy, masks)
 
     def token_logprobs(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
         """``[T]`` fp32: each token's logprob of the next one in its sequence (the last of each is NaN)."""

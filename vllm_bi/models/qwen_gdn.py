@@ -26,7 +26,7 @@ from torch import nn
 
 from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
 from vllm_bi.gdn.layer import gdn_varlen
-from vllm_bi.model_dir import ARCHITECTURES, read_tensors, write_checkpoint
+from vllm_bi.model_dir import QWEN_ARCHITECTURES, read_tensors, write_checkpoint
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.activation import silu_mul
 from vllm_bi.ops.attention import causal_attention_rows
@@ -37,10 +37,11 @@ from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 from vllm_bi.ops.softmax import log_softmax
 
-__all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "decoder_layer", "decoder_stack", "gdn_block",
-           "gemma_rms_norm", "mlp_block", "moe_block", "next_token_logprobs", "packed_positions"]
+__all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "completion_logprobs", "decoder_layer",
+           "decoder_stack", "gdn_block", "gemma_rms_norm", "mlp_block", "moe_block", "next_token_logprobs",
+           "packed_positions"]
 
-_ARCHS = ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
+_ARCHS = QWEN_ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
 
 
 def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
@@ -292,6 +293,32 @@ def decoder_stack(h, layers, final_norm, cu: list[int], prompt_lens=None) -> tor
     return h
 
 
+def completion_logprobs(model, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
+    """Pack ``pairs`` of (prompt ids, completion ids) into one forward of ``model`` (called as ``model(ids, cu,
+    prompt_lens)``, bf16 logits). Returns each completion's per-token logprobs (fp32, on the model's device,
+    differentiable) and, with ``entropy``, the entropy summed over those positions (no grad; 0.0 otherwise).
+    ``masks``: per pair None or one bool per completion token (False: a tool's token in a multi-turn trajectory),
+    the positions the entropy counts."""
+    dev = next(model.parameters()).device
+    cu = [0]
+    for p, c in pairs:
+        cu.append(cu[-1] + len(p) + len(c))
+    ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
+    lp = log_softmax(model(ids, cu, [len(p) for p, _ in pairs]), dim=-1, dtype=torch.float32)
+    rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
+    targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
+    tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
+    ent = 0.0
+    if entropy:
+        with torch.no_grad():
+            sel = lp[rows]
+            if masks is not None and any(m is not None for m in masks):
+                keep = [b for (_, c), m in zip(pairs, masks) for b in (m if m is not None else [True] * len(c))]
+                sel = sel[torch.tensor(keep, device=dev)]
+            ent = float(-(sel.exp() * sel).sum())
+    return list(tok_lp.split([len(c) for _, c in pairs])), ent
+
+
 def next_token_logprobs(logits_TV, input_ids, cu: list[int], temperature: float = 1.0) -> torch.Tensor:
     """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per packed sequence (the last of each is NaN),
     through :func:`log_softmax`, the server's logprob op. ``temperature != 1``: of the fp32 logits divided by it
@@ -520,25 +547,5 @@ class QwenGDNForCausalLM(nn.Module):
         return next_token_logprobs(self(input_ids, cu), input_ids, cu)
 
     def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
-        """Pack ``pairs`` of (prompt ids, completion ids) into one forward. Returns each completion's
-        per-token logprobs (fp32, on the model's device, differentiable) and, with ``entropy``, the
-        entropy summed over those positions (no grad; 0.0 otherwise). ``masks``: per pair None or one bool per
-        completion token (False: a tool's token in a multi-turn trajectory), the positions the entropy counts."""
-        dev = next(self.parameters()).device
-        cu = [0]
-        for p, c in pairs:
-            cu.append(cu[-1] + len(p) + len(c))
-        ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
-        lp = log_softmax(self(ids, cu, [len(p) for p, _ in pairs]), dim=-1, dtype=torch.float32)
-        rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
-        targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
-        tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
-        ent = 0.0
-        if entropy:
-            with torch.no_grad():
-                sel = lp[rows]
-                if masks is not None and any(m is not None for m in masks):
-                    keep = [b for (_, c), m in zip(pairs, masks) for b in (m if m is not None else [True] * len(c))]
-                    sel = sel[torch.tensor(keep, device=dev)]
-                ent = float(-(sel.exp() * sel).sum())
-        return list(tok_lp.split([len(c) for _, c in pairs])), ent
+        """:func:`completion_logprobs` of this model."""
+        return completion_logprobs(self, pairs, entropy, masks)

@@ -29,9 +29,10 @@ from collections.abc import Callable
 import torch
 
 from vllm_bi.ops import pointwise
+from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["causal_attention", "causal_attention_rows", "bucket_len"]
+__all__ = ["causal_attention", "causal_attention_rows", "bucket_len", "latent_keys_values"]
 
 MIN_BUCKET = 16
 # bytes of the largest temporary of one chunk of rows ([rows, H, B, D] fp32); rows are chunked to it
@@ -111,3 +112,20 @@ def causal_attention(
         return k[j].unsqueeze(0).expand(rows.numel(), -1, -1, -1), v[j].unsqueeze(0).expand(rows.numel(), -1, -1, -1)
 
     return causal_attention_rows(q, positions, gather, scale)
+
+
+def latent_keys_values(latent: torch.Tensor, k_pe: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int,
+                       nope: int, dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head latent attention's keys and values, decompressed from the latent of each row: ``latent [..., r]``
+    (normalised), ``k_pe [..., rope]`` (the key part all heads share), ``kv_b_weight [H * (nope + dv), r]``.
+    Returns ``k, v [..., H, nope + rope]``: ``v`` zero-padded to the key's head dim, so one attention op serves
+    both (the zero columns change no other column; callers cut them off). The product is row-local, so a row's
+    bits do not depend on how many rows are decompressed together: the trainer decompresses a sequence's rows, the
+    server its cached blocks."""
+    rope = k_pe.shape[-1]
+    if dv > nope + rope:
+        raise ValueError(f"a value head dim {dv} above the key's {nope + rope} is not supported")
+    lead = latent.shape[:-1]
+    kv = bi_linear(latent, kv_b_weight).view(*lead, num_heads, nope + dv)
+    k = torch.cat([kv[..., :nope], k_pe.unsqueeze(-2).expand(*lead, num_heads, rope)], dim=-1)
+    return k, torch.nn.functional.pad(kv[..., nope:], (0, nope + rope - dv))

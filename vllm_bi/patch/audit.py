@@ -41,6 +41,7 @@ BATCH_INVARIANT_LAYERS: dict[str, str] = {
     # mixers
     "QwenGatedDeltaNetAttention": "model_executor.gdn.bi_gdn_forward",
     "KimiGatedDeltaNetAttention": "model_executor.gdn.bi_kda_forward (checked below)",
+    "MultiHeadLatentAttention": "model_executor.attention.bi_mla_forward (checked below)",
     "Qwen2MoeMLP": "container: gate_up GEMM, SiluAndMul, down GEMM",
     "Attention": "CPU_ATTN impl routed to ops.attention.causal_attention (checked below)",
     # MoE
@@ -88,12 +89,22 @@ def _check_kda(m: torch.nn.Module) -> str | None:
     return None
 
 
+def _check_mla(m: torch.nn.Module) -> str | None:
+    from vllm_bi.model_executor.attention import bi_mla_forward, mla_unsupported
+
+    if getattr(type(m), "forward", None) is not bi_mla_forward:
+        return "its forward is not vllm_bi's"
+    reason = mla_unsupported(m)
+    return f"{reason} is not batch-invariant yet" if reason else None
+
+
 # modules whose arithmetic their parent's replaced forward runs itself: accepted only under such a parent
 _RUN_BY_PARENT = {"FusedRMSNormGated": ("KimiGatedDeltaNetAttention", "o_norm")}
 
 
 _EXTRA_CHECKS = {
     "KimiGatedDeltaNetAttention": _check_kda,
+    "MultiHeadLatentAttention": _check_mla,
     "Attention": _check_attention,
     "RoutedExperts": _check_routed_experts,
     "GemmaRMSNorm": _check_dispatch,

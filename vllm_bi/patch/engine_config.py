@@ -15,6 +15,7 @@ runs once, in the process that builds the engine, before any model is loaded:
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
 - the hybrid GDN mode turns prefix caching off and is refused on CUDA;
+- Kimi Linear runs without vLLM's fused GEMM + all-reduce, and on CPU without prefix caching (:func:`_kimi_linear`);
 - a model with recurrent-state layers other than the Qwen GDN layer (Mamba, Mamba2, short convolutions, other linear
   attention) is refused with the layer type named (:mod:`vllm_bi.patch.model_families`).
 """
@@ -62,6 +63,7 @@ def wrap_create_engine_config(orig):
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         _hybrid_prefix_caching(self)
+        _kimi_linear(self, current_platform)
         _refuse_hybrid_on_cuda(current_platform)
         if current_platform.is_cuda():
             chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
@@ -197,6 +199,30 @@ def _hybrid_prefix_caching(args) -> None:
     args.enable_prefix_caching = False
     logger.warning("vllm_bi: VLLM_BI_GDN_MODE=hybrid: prefix caching off (a state cached by another request would "
                    "have other bits)")
+
+
+def _kimi_linear(args, platform) -> None:
+    """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
+    engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
+    lacks); refused when set on. On CPU, prefix caching off before the config is built: vLLM's CPU platform turns it
+    off for MLA models only after the hybrid-cache hook has sized the state blocks for it, and then refuses its own
+    configuration (``--mamba-block-size can only be set with --enable-prefix-caching``); asked for explicitly, it is
+    refused here with the reason."""
+    if model_families.local_architecture(args.model) != "KimiLinearForCausalLM":
+        return
+    if os.environ.get("VLLM_KIMI_K3_GEMM_AR", "0") not in ("0", ""):
+        raise BatchInvarianceConfigError(
+            "vllm_bi: VLLM_KIMI_K3_GEMM_AR fuses o_proj's GEMM with its all-reduce, which is not the trainer's "
+            "GEMM; unset it or set it to 0")
+    os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
+    if not platform.is_cpu():
+        return
+    if args.enable_prefix_caching:
+        raise BatchInvarianceConfigError(
+            "vllm_bi: vLLM's CPU platform serves MLA models (Kimi Linear) without prefix caching; drop "
+            "--enable-prefix-caching")
+    args.enable_prefix_caching = False
+    logger.warning("vllm_bi: Kimi Linear on CPU: prefix caching off (vLLM's CPU platform has none for MLA models)")
 
 
 def _refuse_hybrid_on_cuda(platform) -> None:

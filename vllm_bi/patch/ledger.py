@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.abc
 import inspect
 import logging
 import sys
@@ -43,7 +44,8 @@ UPSTREAM_BI = "vLLM ships a batch-invariant CPU path for this op with the traine
 class Patch:
     """One change to vLLM. ``new`` is ``module:name`` of the replacement (or, with ``wraps``, of a function that
     builds it from the original). ``kind``: ``attr`` (set an attribute), ``backend`` (vLLM's attention-backend
-    registry), ``model`` (vLLM's model registry)."""
+    registry), ``model`` (vLLM's model registry), ``on_import`` (set an attribute once vLLM imports the target's
+    module: for a module that must not be imported before the engine starts)."""
 
     target: str
     platform: str
@@ -93,6 +95,28 @@ LEDGER: tuple[Patch, ...] = (
       "(Kimi Linear itself stays refused until its MLA and router are batch-invariant too)",
       "vllm_bi.model_executor.gdn:bi_kda_forward", GDN_PR,
       "vLLM's KDA forward is batch-invariant with the trainer's arithmetic"),
+    # on import: importing the Kimi package before the worker starts pulls in numba, whose module objects vLLM's CPU
+    # kernel-override scan at worker start cannot read
+    P("vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention.forward", CPU,
+      "stock attends in two arithmetics: prefill over decompressed keys and values, decode in the weight-absorbed "
+      "latent form (and CPU_MLA's kernels serve one head size and block size)",
+      "model_executor.attention.bi_mla_forward: the trainer's MLA, the cached latents decompressed per row and "
+      "attended by the op library's attention in prefill and decode alike",
+      "vllm_bi.model_executor.attention:bi_mla_forward", NO_PR,
+      "vLLM's MLA serves prefill and decode in one batch-invariant arithmetic with the trainer's", kind="on_import"),
+    P("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.supports_block_size", CPU,
+      "CPU_MLA's decode kernel serves block size 16 only, below the block a hybrid model's state pages need",
+      "any block size: the batch-invariant MLA forward reads the latent cache itself",
+      "vllm_bi.model_executor.attention:MLA_ANY_BLOCK_SIZE", remove_when="the MLA forward row goes"),
+    P("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.get_supported_kernel_block_sizes", CPU,
+      "CPU_MLA splits each cache block into kernel blocks of 16; vLLM's CPU runner then zeroes a new block by its "
+      "id in the split cache, which is another request's kernel block", "kernel blocks are whole cache blocks",
+      "vllm_bi.model_executor.attention:MLA_WHOLE_BLOCKS", remove_when="the MLA forward row goes"),
+    P("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.build", CPU,
+      "the MLA metadata splits the step's block table and lengths between its decode and prefill parts",
+      "the whole step's lengths and block table kept on the metadata for the batch-invariant MLA forward",
+      "vllm_bi.model_executor.attention:wrap_mla_build", wraps=True,
+      remove_when="the MLA forward row goes"),
     P("vllm.model_executor.warmup.kernel_warmup:qwen_triton_warmup", ALL,
       "warms vLLM's GDN Triton kernels, which BI never runs, and assumes stock conv-state shapes",
       "a no-op that logs why", "vllm_bi.patch.gdn_backend:skip_qwen_gdn_warmup",
@@ -339,12 +363,14 @@ _APPLIED: list[Patch] = []
 
 
 def applied() -> list[Patch]:
-    """The rows this process has applied (empty without batch invariance)."""
+    """The rows this process has applied (empty without batch invariance; an ``on_import`` row once its module is
+    imported)."""
     return list(_APPLIED)
 
 
-def apply_row(p: Patch, set_attr=setattr) -> None:
-    """Apply one row (``set_attr(owner, name, value)`` sets an attribute; tests pass ``monkeypatch.setattr``)."""
+def apply_row(p: Patch, set_attr=setattr, on_applied=lambda p: None) -> None:
+    """Apply one row (``set_attr(owner, name, value)`` sets an attribute; tests pass ``monkeypatch.setattr``), then
+    call ``on_applied(p)``: at once, or for an ``on_import`` row whose module is not imported yet, when it is."""
     module, parts, key = _split(p.target)
     if p.kind == "backend":
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum, register_backend
@@ -352,11 +378,17 @@ def apply_row(p: Patch, set_attr=setattr) -> None:
         cls = resolve(p.new)
         register_backend(getattr(MambaAttentionBackendEnum, key.split(".")[-1]), f"{cls.__module__}.{cls.__qualname__}",
                          is_mamba=True)
+        on_applied(p)
         return
     if p.kind == "model":
         from vllm import ModelRegistry
 
         ModelRegistry.register_model(key, p.new)
+        on_applied(p)
+        return
+    if p.kind == "on_import" and module not in sys.modules:
+        _AFTER_IMPORT.watch(module, lambda: apply_row(dataclasses.replace(p, kind="attr"), set_attr,
+                                                      lambda _: on_applied(p)))
         return
     owner = importlib.import_module(module)
     for name in parts[:-1]:
@@ -370,11 +402,46 @@ def apply_row(p: Patch, set_attr=setattr) -> None:
     except AttributeError:
         pass
     set_attr(owner, attr, new)
+    on_applied(p)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs callbacks right after a watched module is first executed (before its importer goes on)."""
+
+    def __init__(self):
+        self.pending: dict[str, list] = {}
+
+    def watch(self, module: str, callback) -> None:
+        self.pending.setdefault(module, []).append(callback)
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None:
+                break
+        else:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(mod):
+            execute(mod)
+            for callback in self.pending.pop(name, []):
+                callback()
+
+        spec.loader.exec_module = exec_module  # the loader is this spec's own
+        return spec
+
+
+_AFTER_IMPORT = _AfterImport()
 
 
 def apply_all() -> list[Patch]:
     """Apply every active row for this platform and settings, once per process; returns them."""
-    if _APPLIED:
+    if _APPLIED or _AFTER_IMPORT.pending:
         return applied()
     from vllm.platforms import current_platform
 
@@ -395,8 +462,7 @@ def apply_all() -> list[Patch]:
 
         prepare()
     for p in rows:
-        apply_row(p)
-        _APPLIED.append(p)
+        apply_row(p, on_applied=_APPLIED.append)
     return applied()
 
 

@@ -2,8 +2,8 @@
 
 vLLM 0.32 serves many architectures with Mamba-type or linear-attention layers (Mamba, Mamba2 hybrids such as
 Nemotron-H, Granite-4.0-H and Falcon-H1, LFM2's short convolutions, Bailing's and MiniMax's linear attention, Kimi's
-delta attention, OLMo's hybrid GDN). Its own batch-invariant mode covers none of them, and vllm_bi covers the Qwen
-GDN layer only (:data:`SUPPORTED_LAYERS`). Without this check such a model would be refused later, when the loaded
+delta attention, OLMo's hybrid GDN). Its own batch-invariant mode covers none of them; vllm_bi covers the Qwen
+GDN layer (:data:`SUPPORTED_LAYERS`) and Kimi Linear (:data:`SUPPORTED_ARCHITECTURES`, CPU). Without this check such a model would be refused later, when the loaded
 model is audited (``patch.audit``), after its weights are read; here it is refused at configuration time with the
 layer type named.
 
@@ -20,11 +20,17 @@ import functools
 import importlib.util
 import os
 
-__all__ = ["SUPPORTED_LAYERS", "state_layers", "refusal"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_LAYERS", "local_architecture", "state_layers", "refusal"]
 
 # state-layer class -> what makes it batch-invariant
 SUPPORTED_LAYERS = {
     "QwenGatedDeltaNetAttention": "the GDN modes (model_executor/gdn.py; Qwen3-Next, Qwen3.5, their MTP drafters)",
+}
+# architecture -> (the platforms it is served on, what makes it batch-invariant): models whose vLLM module also holds
+# state layers of other architectures (Kimi Linear shares its package with Kimi K3)
+SUPPORTED_ARCHITECTURES = {
+    "KimiLinearForCausalLM": (("cpu",), "its KDA layers in the recurrent GDN mode (model_executor.gdn.bi_kda_forward) "
+                              "and its MLA layers in one formulation (model_executor.attention.bi_mla_forward)"),
 }
 _ROOT = "MambaBase"
 _MODEL_PREFIXES = ("vllm.model_executor.models.", "vllm.models.")
@@ -150,6 +156,25 @@ def _module_of(architecture: str) -> str | None:
     return cls.__module__ if cls is not None else None
 
 
+def local_architecture(model: str) -> str | None:
+    """The first architecture a local checkpoint directory's ``config.json`` names, or None (a hub name, no or an
+    unreadable config: vLLM reports those itself)."""
+    import json
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            archs = json.load(f).get("architectures")
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else "cpu"
+
+
 def refusal(model_config) -> str | None:
     """Why a model with recurrent-state layers other than :data:`SUPPORTED_LAYERS` is refused (module doc), or None
     when it is not. ``model_config`` is vLLM's ``ModelConfig`` (``architecture``, ``is_hybrid``,
@@ -159,6 +184,13 @@ def refusal(model_config) -> str | None:
     if not stateful:
         return None  # attention-only: the layer audit after loading covers it
     arch = model_config.architecture
+    if arch in SUPPORTED_ARCHITECTURES:
+        platforms = SUPPORTED_ARCHITECTURES[arch][0]
+        if _platform() in platforms:
+            return None
+        return (f"vllm_bi: {arch} is served batch-invariantly on {', '.join(platforms)} only so far (its KDA and MLA "
+                f"forwards have no {_platform().upper()} path yet). Fix: serve it on a CPU build of vLLM, or without "
+                "VLLM_BATCH_INVARIANT=1.")
     module = _module_of(arch)
     layers = state_layers(module) if module else []
     if layers and all(layer in SUPPORTED_LAYERS for layer in layers):
@@ -168,5 +200,5 @@ def refusal(model_config) -> str | None:
             "recurrent-state layers vllm_bi could not identify in its source")
     return (
         f"vllm_bi: {arch} has {what} (Mamba-type / linear attention), which vllm_bi does not yet make "
-        f"batch-invariant; it supports the Qwen GDN layer (Qwen3-Next, Qwen3.5). Fix: serve this model without "
-        f"VLLM_BATCH_INVARIANT=1, or serve a supported model (docs/serving.md).")
+        f"batch-invariant; it supports the Qwen GDN layer (Qwen3-Next, Qwen3.5) and Kimi Linear. Fix: serve this "
+        f"model without VLLM_BATCH_INVARIANT=1, or serve a supported model (docs/serving.md).")

@@ -143,7 +143,7 @@ class TrainerConfig:
             bad("server_url", f"{self.server_url!r} is not a server URL; give one like http://127.0.0.1:8000")
         if self.model:
             try:  # a missing or corrupt checkpoint, or another architecture: refused before anything loads
-                read_model_config(self.model, "--model")
+                read_model_config(self.model, "--model", qwen_only="the RL trainer")
             except UsageError as e:
                 raise ConfigError(str(e)) from None
         return self
