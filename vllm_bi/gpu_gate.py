@@ -50,6 +50,7 @@ CUDA_SOURCES = (
     "vllm_bi/patch/gdn_backend.py",
     "vllm_bi/patch/gemm_tuning.py",
     "vllm_bi/patch/ledger.py",
+    "vllm_bi/patch/model_families.py",
     "vllm_bi/patch/nonfinite.py",
     "vllm_bi/patch/worker_rpc.py",
     "vllm_bi/settings.py",

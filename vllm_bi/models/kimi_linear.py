@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from vllm_bi.gdn.layer import gdn_varlen
-from vllm_bi.model_dir import read_tensors
+from vllm_bi.model_dir import read_tensors, write_checkpoint
 from vllm_bi.models.qwen_gdn import (completion_logprobs, decoder_layer, mlp_block, next_token_logprobs,
                                      packed_causal_attention)
 from vllm_bi.ops.attention import latent_keys_values
@@ -354,6 +354,11 @@ class KimiLinearForCausalLM(nn.Module):
         # and normalises in compute_logits (a fused add-and-norm keeps the sum in fp32: other bits)
         h = rms_norm_maybe_residual(h + residual, None, self.w("model.norm.weight"), c.rms_norm_eps)
         return bi_linear(h, self.w("lm_head.weight"))
+
+    def save_pretrained(self, path: str, like: str, state_dict: dict | None = None) -> str:
+        """Write ``model.safetensors`` (the checkpoint's names) to ``path``, with config and tokenizer files copied
+        from ``like``; ``state_dict``: an :meth:`hf_state_dict` already taken (default: take it now)."""
+        return write_checkpoint(path, self.hf_state_dict() if state_dict is None else state_dict, like)
 
     def completion_logprobs(self, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
         """:func:`vllm_bi.models.qwen_gdn.completion_logprobs` of this model."""

@@ -8,10 +8,16 @@ from vllm_bi.settings import tuned_table
 __all__ = ["vllm_bi_weight_digest", "vllm_bi_info", "vllm_bi_model_layout"]
 
 
+# parameters vLLM derives from the checkpoint's at load and the batch-invariant forwards never read: MLA's
+# weight-absorbed copies of kv_b_proj (its decode arithmetic, which bi_mla_forward replaces)
+DERIVED = (".W_UK_T", ".W_UV")
+
+
 def vllm_bi_weight_digest(self) -> dict[str, str]:
     from vllm_bi.weights import weight_digest
 
-    return weight_digest(self.model_runner.get_model().named_parameters())
+    params = self.model_runner.get_model().named_parameters()
+    return weight_digest((n, p) for n, p in params if not n.endswith(DERIVED))
 
 
 def vllm_bi_info(self) -> dict:

@@ -20,7 +20,7 @@ import tomllib
 from dataclasses import dataclass, field
 
 from vllm_bi.errors import OneLineParser, UsageError, exit_status_help
-from vllm_bi.model_dir import read_model_config
+from vllm_bi.model_dir import QWEN_ARCHITECTURES, read_model_config
 from vllm_bi.settings import Settings
 
 __all__ = ["TrainerConfig", "ConfigError", "parse_args"]
@@ -37,7 +37,7 @@ def _f(default, help: str, **kw):
 @dataclass
 class TrainerConfig:
     # ---- model and server
-    model: str = _f("", "HF checkpoint directory of a GDN hybrid (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE). "
+    model: str = _f("", "HF checkpoint directory of a GDN hybrid (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Kimi Linear). "
                         "Empty: build the built-in small random-weight model (--model-family) in RUN_DIR/base_model.")
     model_family: str = _f("qwen3-next", "family of the built-in model when --model is empty",
                            choices=("qwen3-next", "qwen3.5", "qwen3.5-moe"))
@@ -143,9 +143,12 @@ class TrainerConfig:
             bad("server_url", f"{self.server_url!r} is not a server URL; give one like http://127.0.0.1:8000")
         if self.model:
             try:  # a missing or corrupt checkpoint, or another architecture: refused before anything loads
-                read_model_config(self.model, "--model", qwen_only="the RL trainer")
+                cfg = read_model_config(self.model, "--model")
             except UsageError as e:
                 raise ConfigError(str(e)) from None
+            if self.arithmetic == "stock" and (cfg.get("architectures") or [None])[0] not in QWEN_ARCHITECTURES:
+                bad("arithmetic", f"stock runs transformers' model, which has no {cfg['architectures'][0]} class "
+                    "(its modelling code is remote code); use --arithmetic vllm_bi")
         return self
 
     @property

@@ -23,7 +23,7 @@ import torch
 
 from vllm_bi.client import ServerAuthError, ServerUnreachable
 from vllm_bi.errors import DIFFER, ENVIRONMENT, USAGE, UsageError
-from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+from vllm_bi.models import from_pretrained
 from vllm_bi.trainer.checkpoint import (check_resumed_settings, checkpoint_due, load_checkpoint, run_settings,
                                         save_checkpoint)
 from vllm_bi.trainer.config import TrainerConfig
@@ -109,7 +109,10 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
                                exit_code=USAGE)
         model = StockModel.from_pretrained(model_dir).to(dist.device)
     else:
-        model = QwenGDNForCausalLM.from_pretrained(model_dir).to(dist.device)
+        model = from_pretrained(model_dir).to(dist.device)
+    if dist.world > 1 and not hasattr(model, "layers"):
+        raise TrainerError(f"{type(model).__name__} trains in one process (no FSDP2 units); drop torchrun",
+                           exit_code=USAGE)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
     if dist.main:

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
+from vllm_bi.models import from_pretrained
 from vllm_bi.trainer.config import TrainerConfig
 from vllm_bi.trainer.distributed import Dist
 from vllm_bi.trainer.errors import NaNLoss
@@ -25,7 +25,7 @@ __all__ = ["Policy", "completion_logprobs", "train_on_batch", "logprob_diff_at_v
 class Policy:
     """bf16 model + fp32 master weights + AdamW (masters sharded like the model under FSDP2)."""
 
-    def __init__(self, model: QwenGDNForCausalLM, cfg: TrainerConfig, dist: Dist):
+    def __init__(self, model, cfg: TrainerConfig, dist: Dist):
         self.model, self.dist = model, dist
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
@@ -178,7 +178,7 @@ def _sync(device) -> None:
 
 def logprob_diff_at_version(model_dir: str, batch: RolloutBatch, device: str = "cpu") -> float:
     """Recompute ``batch`` with the weights it was sampled under; max |trainer - server| (0.0 = staleness only)."""
-    model = QwenGDNForCausalLM.from_pretrained(model_dir).to(device)
+    model = from_pretrained(model_dir).to(device)
     with torch.no_grad():
         lps, _ = completion_logprobs(model, batch.samples)
     old = torch.tensor([x for s in batch.samples for x in s.logprobs], dtype=torch.float32)
