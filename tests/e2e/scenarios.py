@@ -29,14 +29,16 @@ class Prompts:
     others: list[list[list[int]]]  # per busy batch: the other prompts
 
 
-def make_prompts(vocab: int = 1024, seed: int = 0, prefix_len: int = 800) -> Prompts:
+def make_prompts(vocab: int = 1024, seed: int = 0, prefix_len: int = 800, batches: int = 6) -> Prompts:
+    """Three target prompts (23, 97 and 301 tokens), two prompts sharing an ``prefix_len``-token prefix, and
+    ``batches`` busy batches of 1-15 other prompts each (a smaller ``batches`` keeps the first ones)."""
     rng = random.Random(seed)
     targets = {"short": _ids(rng, 23, vocab), "medium": _ids(rng, 97, vocab), "long": _ids(rng, 301, vocab)}
     prefix = _ids(rng, prefix_len, vocab)
     a = prefix + _ids(rng, 17, vocab)
     b = prefix + _ids(rng, 29, vocab)
     others = []
-    for _ in range(6):
+    for _ in range(batches):
         k = rng.randint(1, 15)
         others.append([_ids(rng, rng.randint(5, 260), vocab) for _ in range(k)])
     return Prompts(targets, a, b, others)

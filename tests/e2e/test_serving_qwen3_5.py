@@ -22,7 +22,7 @@ MODES = {"greedy": GREEDY, "seeded": SEEDED}
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
 def runs(request, tiny_model_path):
     model = tiny_model_path(request.param)
-    prompts = make_prompts(seed=1)
+    prompts = make_prompts(seed=1, batches=4)
     out = {"family": request.param, "model": model}
     with VllmServer(model, args=SMALL) as srv:
         out["bi_small"] = run_scenarios(srv, prompts, MODES)
@@ -33,7 +33,7 @@ def runs(request, tiny_model_path):
 
 
 def test_p1_batch_invariance(runs):
-    assert check_p1(runs["bi_small"], f"{runs['family']} BI mnbt=32") == 12
+    assert check_p1(runs["bi_small"], f"{runs['family']} BI mnbt=32") == 8
 
 
 def test_p2_split_and_prefix_cache_invariance(runs):

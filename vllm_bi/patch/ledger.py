@@ -91,8 +91,7 @@ LEDGER: tuple[Patch, ...] = (
       for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu")),
     P("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention.forward", CPU,
       "stock runs Triton KDA kernels (no CPU forward) and a CUDA-only state gather",
-      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core, recurrent mode, fp32 state "
-      "(Kimi Linear itself stays refused until its MLA and router are batch-invariant too)",
+      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core, recurrent mode, fp32 state",
       "vllm_bi.model_executor.gdn:bi_kda_forward", GDN_PR,
       "vLLM's KDA forward is batch-invariant with the trainer's arithmetic"),
     # on import: importing the Kimi package before the worker starts pulls in numba, whose module objects vLLM's CPU
