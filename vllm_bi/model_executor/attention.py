@@ -13,6 +13,9 @@ sequence's blocks.
 That is also the logical layout of vLLM's TRITON_ATTN cache on CUDA, so
 :func:`bi_attn_forward` serves both (on CUDA the stock ``do_kv_cache_update``
 writes the cache: a copy, exact).
+
+Multi-head latent attention (Kimi Linear's, :func:`bi_mla_forward`) keeps vLLM's latent cache and decompresses the
+blocks a step reads into that same layout, then attends as above.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from vllm_bi.ops.attention import causal_attention_rows, latent_keys_values
 from vllm_bi.ops.attention_triton import attention_backend, paged_attention, tiles_for
 from vllm_bi.ops.norm import rms_norm_maybe_residual
 
-__all__ = ["bi_attn_forward", "bi_cpu_attn_forward", "bi_cpu_kv_cache_update", "bi_mla_forward", "mla_unsupported", "wrap_mla_build",
-           "MLA_ANY_BLOCK_SIZE", "MLA_WHOLE_BLOCKS"]
+__all__ = ["bi_attn_forward", "bi_cpu_attn_forward", "bi_cpu_kv_cache_update", "bi_mla_forward", "mla_unsupported",
+           "wrap_mla_build", "MLA_ANY_BLOCK_SIZE", "MLA_WHOLE_BLOCKS"]
 
 
 def _unsupported(impl) -> str | None:
