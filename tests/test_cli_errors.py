@@ -108,8 +108,8 @@ CASES = [
     ("demo-no-model-dir", CLI + ["demo", "--model", "/nonexistent"], {}, USAGE,
      r"^vllm-bi demo: error: --model /nonexistent: no such directory"),
     ("demo-kimi-linear", CLI + ["demo", "--model", "{tmp}/kimi"], {}, USAGE,
-     r"^vllm-bi demo: error: --model \S+/kimi: vllm-bi demo does not run KimiLinearForCausalLM yet \(`vllm serve` and "
-     r"`vllm-bi parity` do\); give a checkpoint of Qwen3NextForCausalLM"),
+     r"^vllm-bi demo: error: --model \S+/kimi: vllm-bi demo does not run KimiLinearForCausalLM yet \(`vllm serve`, "
+     r"`vllm-bi parity` and the RL trainer do\); give a checkpoint of Qwen3NextForCausalLM"),
     ("parity-kimi-linear-hf", CLI + ["parity", "--model", "{tmp}/kimi", "--trainer", "hf"], {}, USAGE,
      r"--trainer hf: transformers has no KimiLinearForCausalLM class .*; use --trainer vllm_bi$"),
     ("demo-not-a-gdn-model", CLI + ["demo", "--model", "{tmp}/llama"], {}, USAGE,

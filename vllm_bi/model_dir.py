@@ -14,7 +14,8 @@ import os
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["ARCHITECTURES", "QWEN_ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "read_tensors", "write_checkpoint"]
+__all__ = ["ARCHITECTURES", "QWEN_ARCHITECTURES", "copy_checkpoint_files", "read_model_config", "read_tensors",
+           "write_checkpoint"]
 
 # config.json architecture -> (vllm_bi's family name, GDN projections packed per key-head group as Qwen3-Next does)
 QWEN_ARCHITECTURES = {
@@ -31,8 +32,8 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True, 
     """``path``'s ``config.json`` as a dict. Raises :class:`UsageError` naming ``flag``, the problem and the fix
     when ``path`` is not a directory, has no readable ``config.json``, the file is not a JSON object, or (with
     ``supported``) its first architecture is not one of :data:`ARCHITECTURES`; with ``qwen_only`` (the command's
-    name), also when it is not one of :data:`QWEN_ARCHITECTURES` (Kimi Linear is served and checked by
-    ``vllm-bi parity``, not yet trained)."""
+    name), also when it is not one of :data:`QWEN_ARCHITECTURES` (for the commands that build transformers' model or
+    hook the Qwen trainer model's modules: Kimi Linear has neither)."""
     where = f"{flag} {path}"
     if not os.path.isdir(path):
         raise UsageError(f"{where}: no such directory; give a local Hugging Face checkpoint directory "
@@ -63,8 +64,8 @@ def read_model_config(path: str, flag: str = "--model", supported: bool = True, 
             raise UsageError(f"{where}: architecture {arch} is not a GDN hybrid vllm_bi supports; give a checkpoint "
                              f"of {', '.join(ARCHITECTURES)}")
         if qwen_only and arch not in QWEN_ARCHITECTURES:
-            raise UsageError(f"{where}: {qwen_only} does not run {arch} yet (`vllm serve` and `vllm-bi parity` do); "
-                             f"give a checkpoint of {', '.join(QWEN_ARCHITECTURES)}")
+            raise UsageError(f"{where}: {qwen_only} does not run {arch} yet (`vllm serve`, `vllm-bi parity` and the "
+                             f"RL trainer do); give a checkpoint of {', '.join(QWEN_ARCHITECTURES)}")
     return cfg
 
 

@@ -8,10 +8,9 @@ per key channel, the GDN core with ``gating="kda"``, the output norm gated by ``
 fixed eps, the output projection). :func:`mla_block` is the MLA layer in one formulation, keys and values
 decompressed from the latent (``kv_b_proj``) for every row: vLLM computes prefill that way but decode in the
 weight-absorbed latent form, other arithmetic, so a batch-invariant server must serve this one for both. The model
-(:class:`KimiLinearForCausalLM`) composes them with the dense and the sigmoid-routed MoE MLPs. Of the server side,
-the KDA layer (``model_executor.gdn.bi_kda_forward``) and the router (``patch.cpu_moe.grouped_topk``) exist on CPU,
-the MLA layer not yet: Kimi Linear is refused under batch invariance until it does
-(``vllm_bi.patch.model_families``).
+(:class:`KimiLinearForCausalLM`) composes them with the dense and the sigmoid-routed MoE MLPs. The server serves the
+same arithmetic on CPU (``model_executor.gdn.bi_kda_forward``, ``model_executor.attention.bi_mla_forward``, the router
+``patch.cpu_moe.grouped_topk``); on CUDA Kimi Linear is refused (``vllm_bi.patch.model_families``).
 
 Legend: ``T`` packed tokens, ``D`` hidden size, ``H`` KDA heads, ``K`` the KDA head dim (q, k and v alike), ``NH``
 MLA heads.

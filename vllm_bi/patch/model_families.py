@@ -3,9 +3,9 @@
 vLLM 0.32 serves many architectures with Mamba-type or linear-attention layers (Mamba, Mamba2 hybrids such as
 Nemotron-H, Granite-4.0-H and Falcon-H1, LFM2's short convolutions, Bailing's and MiniMax's linear attention, Kimi's
 delta attention, OLMo's hybrid GDN). Its own batch-invariant mode covers none of them; vllm_bi covers the Qwen
-GDN layer (:data:`SUPPORTED_LAYERS`) and Kimi Linear (:data:`SUPPORTED_ARCHITECTURES`, CPU). Without this check such a model would be refused later, when the loaded
-model is audited (``patch.audit``), after its weights are read; here it is refused at configuration time with the
-layer type named.
+GDN layer (:data:`SUPPORTED_LAYERS`) and Kimi Linear (:data:`SUPPORTED_ARCHITECTURES`, CPU). Without this check such
+a model would be refused later, when the loaded model is audited (``patch.audit``), after its weights are read; here
+it is refused at configuration time with the layer type named.
 
 Which layers a model has is read from vLLM's source without importing the model (a model module may need packages a
 CPU install lacks, e.g. torchvision): every class under ``vllm/model_executor/layers/mamba`` and in the model's own
