@@ -1,21 +1,24 @@
 """Kimi Linear (KDA and MLA mixers, a sigmoid-routed MoE) under ``VLLM_BATCH_INVARIANT=1`` on CPU, over HTTP with one
-`vllm serve` of a small random checkpoint: P1, P3 and P4, then two RL trainer steps against the same server at a
-logprob gap of 0.0 (its weight pushes reload the server's weights, so it runs last).
+`vllm serve` of a small random checkpoint: P1-P4, then two RL trainer steps against the same server at a logprob gap
+of 0.0 (its weight pushes reload the server's weights, so it runs last).
 
-vLLM's CPU platform turns chunked prefill and prefix caching off for every MLA model, so a prompt is always one
-prefill here and P2 has nothing to vary. The mechanism's negative controls are unit tests without an engine:
+The server prefills at most 32 tokens a step with prefix caching on (vLLM's CPU platform turns both off for MLA
+models; vllm_bi keeps them for Kimi Linear), so every prompt but the shortest is split, at other places alone than
+in a busy batch. P2: a prompt that hits an 800-token cached prefix equals the same prompt after the cache is reset,
+computed from position 0 in other pieces. The mechanism's negative controls are unit tests without an engine:
 ``tests/test_mla_glue.py`` (vLLM's weight-absorbed decode gives other bits than the prefill formulation) and
 ``tests/test_gdn_glue.py`` (KDA's per-channel decay and fp32 state)."""
 
 import pytest
 from parity_suite import check_p1, check_p3, check_p4
-from scenarios import SEEDED, make_prompts, run_scenarios
+from scenarios import MAX_TOKENS, SEEDED, make_prompts, run_scenarios, same
 
 from vllm_bi.launcher import VllmServer, cpu_env
 
 pytestmark = pytest.mark.server
 
-ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024"]
+ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024", "--max-num-batched-tokens", "32",
+        "--enable-prefix-caching"]
 MODES = {"seeded": SEEDED}  # sampled at temperature 1 with a seed (the Qwen families' tests also run greedy)
 
 
@@ -26,15 +29,27 @@ def runs(tiny_model_path, tmp_path_factory):
 
     model = tiny_model_path("kimi-linear")
     with VllmServer(model, args=ARGS, env=cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})) as srv:
-        res = run_scenarios(srv, make_prompts(seed=1, batches=3), MODES, prefix=False)
+        prompts = make_prompts(seed=1, batches=3)
+        res = run_scenarios(srv, prompts, MODES)
+        srv.reset_prefix_cache()
+        hits0 = srv.metric_sum("vllm:prefix_cache_hits_total")
+        cold = srv.complete(prompts.shared_prefix_b, max_tokens=MAX_TOKENS, **SEEDED)
+        cold_hits = srv.metric_sum("vllm:prefix_cache_hits_total") - hits0
         rows = train(TrainerConfig(model=model, server_url=srv.url, api_key=srv.api_key,
                                    run_dir=str(tmp_path_factory.mktemp("rl")), steps=2, prompts_per_step=4,
                                    group_size=2, max_tokens=8, lr=5e-3, progress=False, tensorboard=False))
-    return model, res, rows
+    return model, res, rows, (cold, cold_hits)
 
 
 def test_p1_batch_invariance(runs):
     assert check_p1(runs[1], "kimi-linear BI") == 3
+
+
+def test_p2_prefix_cache_hit_equals_a_cold_prompt(runs):
+    res, (cold, cold_hits) = runs[1], runs[3]
+    assert res.prefix_hits > 0, "the shared-prefix request did not hit the prefix cache"
+    assert cold_hits == 0, f"the request after the cache reset hit {cold_hits} cached tokens"
+    assert same(res.prefix_b["seeded"], cold), "kimi-linear: P2 broken (prefix-cache hit vs a cold prompt)"
 
 
 def test_p3_decode_equals_prefill(runs):
@@ -42,7 +57,7 @@ def test_p3_decode_equals_prefill(runs):
 
 
 def test_p4_trainer_equals_server(runs):
-    assert check_p4(runs[0], "kimi-linear", runs[1]) >= 48  # 3 distinct completions of 16 tokens
+    assert check_p4(runs[0], "kimi-linear", runs[1]) >= 64  # 3 prompts and the prefix-hit one, 16 tokens each
 
 
 def test_rl_steps_at_a_logprob_gap_of_zero(runs):

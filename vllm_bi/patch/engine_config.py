@@ -15,7 +15,8 @@ runs once, in the process that builds the engine, before any model is loaded:
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
 - the hybrid GDN mode turns prefix caching off and is refused on CUDA;
-- Kimi Linear runs without vLLM's fused GEMM + all-reduce, and on CPU without prefix caching (:func:`_kimi_linear`);
+- Kimi Linear runs without vLLM's fused GEMM + all-reduce (:func:`_kimi_linear`), and on CPU keeps chunked prefill and
+  prefix caching, which vLLM's CPU platform turns off for MLA models (:func:`wrap_cpu_platform_config`);
 - a model with recurrent-state layers other than the Qwen GDN layer (Mamba, Mamba2, short convolutions, other linear
   attention) is refused with the layer type named (:mod:`vllm_bi.patch.model_families`).
 """
@@ -31,7 +32,7 @@ from vllm_bi.settings import current as current_settings
 from vllm_bi.settings import reload as reload_settings
 from vllm_bi.settings import TUNE
 
-__all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config"]
+__all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config", "wrap_cpu_platform_config"]
 
 logger = logging.getLogger("vllm_bi")
 
@@ -63,7 +64,7 @@ def wrap_create_engine_config(orig):
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         _hybrid_prefix_caching(self)
-        _kimi_linear(self, current_platform)
+        _kimi_linear(self)
         _refuse_hybrid_on_cuda(current_platform)
         if current_platform.is_cuda():
             chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
@@ -201,13 +202,10 @@ def _hybrid_prefix_caching(args) -> None:
                    "have other bits)")
 
 
-def _kimi_linear(args, platform) -> None:
+def _kimi_linear(args) -> None:
     """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
     engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
-    lacks); refused when set on. On CPU, prefix caching off before the config is built: vLLM's CPU platform turns it
-    off for MLA models only after the hybrid-cache hook has sized the state blocks for it, and then refuses its own
-    configuration (``--mamba-block-size can only be set with --enable-prefix-caching``); asked for explicitly, it is
-    refused here with the reason."""
+    lacks); refused when set on."""
     if model_families.local_architecture(args.model) != "KimiLinearForCausalLM":
         return
     if os.environ.get("VLLM_KIMI_K3_GEMM_AR", "0") not in ("0", ""):
@@ -215,14 +213,27 @@ def _kimi_linear(args, platform) -> None:
             "vllm_bi: VLLM_KIMI_K3_GEMM_AR fuses o_proj's GEMM with its all-reduce, which is not the trainer's "
             "GEMM; unset it or set it to 0")
     os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
-    if not platform.is_cpu():
-        return
-    if args.enable_prefix_caching:
-        raise BatchInvarianceConfigError(
-            "vllm_bi: vLLM's CPU platform serves MLA models (Kimi Linear) without prefix caching; drop "
-            "--enable-prefix-caching")
-    args.enable_prefix_caching = False
-    logger.warning("vllm_bi: Kimi Linear on CPU: prefix caching off (vLLM's CPU platform has none for MLA models)")
+
+
+def wrap_cpu_platform_config(orig):
+    """``CpuPlatform.check_and_update_config`` that keeps chunked prefill, prefix caching and the step's token budget
+    as asked for a Kimi Linear model. vLLM's CPU platform turns the first two off for every MLA model because its
+    MLA kernels have no chunked context; the batch-invariant MLA forward
+    (:func:`vllm_bi.model_executor.attention.bi_mla_forward`) reads every row's keys from the latent cache itself,
+    whatever part of the prompt an earlier step or another request computed."""
+    func = orig.__func__
+
+    @functools.wraps(func)
+    def check_and_update_config(cls, vllm_config):
+        mc = vllm_config.model_config
+        kimi = mc is not None and "KimiLinearForCausalLM" in (getattr(mc, "architectures", None) or ())
+        sched, cache = vllm_config.scheduler_config, vllm_config.cache_config
+        asked = (sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens)
+        func(cls, vllm_config)
+        if kimi:
+            sched.enable_chunked_prefill, cache.enable_prefix_caching, sched.max_num_batched_tokens = asked
+
+    return classmethod(check_and_update_config)
 
 
 def _refuse_hybrid_on_cuda(platform) -> None:

@@ -111,6 +111,12 @@ LEDGER: tuple[Patch, ...] = (
       "CPU_MLA splits each cache block into kernel blocks of 16; vLLM's CPU runner then zeroes a new block by its "
       "id in the split cache, which is another request's kernel block", "kernel blocks are whole cache blocks",
       "vllm_bi.model_executor.attention:MLA_WHOLE_BLOCKS", remove_when="the MLA forward row goes"),
+    P("vllm.platforms.cpu:CpuPlatform.check_and_update_config", CPU,
+      "vLLM's CPU platform turns chunked prefill and prefix caching off for every MLA model (its MLA kernels have no "
+      "chunked context)",
+      "a Kimi Linear model keeps both, and its step token budget: the batch-invariant MLA forward reads every row's "
+      "keys from the latent cache", "vllm_bi.patch.engine_config:wrap_cpu_platform_config", wraps=True,
+      remove_when="the MLA forward row goes"),
     P("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.build", CPU,
       "the MLA metadata splits the step's block table and lengths between its decode and prefill parts",
       "the whole step's lengths and block table kept on the metadata for the batch-invariant MLA forward",
