@@ -139,8 +139,8 @@ def test_kimi_linear_checkpoint_round_trip_and_refusals(ckpt, tmp_path):
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in sd and "model.layers.0.mlp.up_proj.weight" in sd
     again = KimiLinearForCausalLM(model.c)
     again.load_hf_state_dict(sd)
-    for key, p in model.params.items():
-        assert torch.equal(again.params[key], p), key
+    for (key, p), (key2, p2) in zip(model.hf_parameters(), again.hf_parameters(), strict=True):
+        assert key == key2 and torch.equal(p2, p), key
     short = dict(sd)
     del short["model.layers.3.block_sparse_moe.experts.1.w2.weight"]
     with pytest.raises(KeyError, match="experts.1.w2.weight"):

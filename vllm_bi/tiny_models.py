@@ -330,8 +330,7 @@ def build_tiny_kimi_linear(path: str, seed: int = 0, **config) -> str:
     model = KimiLinearForCausalLM(KimiConfig.from_dict(raw))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for key, p in model.params.items():
-            name = key.replace(":", ".")
+        for name, p in model.hf_parameters():
             if name.endswith(("norm.weight", "layernorm.weight")):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("A_log"):

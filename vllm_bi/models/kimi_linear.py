@@ -35,7 +35,7 @@ from vllm_bi.ops.moe import moe_experts, sigmoid_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 
 __all__ = ["KDA_NORM_EPS", "KDA_WEIGHTS", "kda_shapes", "kda_block", "KimiDeltaAttention", "KimiConfig", "mla_block",
-           "kimi_moe_block", "KimiLinearForCausalLM"]
+           "kimi_moe_block", "KimiDecoderLayer", "KimiLinearForCausalLM"]
 
 # vLLM builds the KDA output norm with FusedRMSNormGated's default eps, not the config's rms_norm_eps
 KDA_NORM_EPS = 1e-5
@@ -208,62 +208,114 @@ def _name(hf: str) -> str:
     return hf.replace(".", ":")
 
 
-class KimiLinearForCausalLM(nn.Module):
-    """Kimi Linear for the trainer: embeddings, decoder layers (KDA or MLA mixers; dense or MoE MLPs), the final
-    norm and an untied head. Parameters keep the checkpoint's names (dots as colons); the routed experts are held
-    stacked as ``model.layers.N.block_sparse_moe.w13`` / ``.w2``."""
+def _full(t):
+    """A tensor whole: an FSDP2 shard (``DTensor``) gathered, any other as it is."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
 
-    def __init__(self, c: KimiConfig):
+
+def _layer_shapes(c: "KimiConfig", i: int):
+    """``(name under model.layers.i, shape, dtype)`` of decoder layer ``i``'s parameters."""
+    D, bf, f32 = c.hidden_size, torch.bfloat16, torch.float32
+    NH, nope, rope, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank
+    yield "input_layernorm.weight", (D,), bf
+    yield "post_attention_layernorm.weight", (D,), bf
+    if c.is_kda(i):
+        for name, (shape, dtype) in kda_shapes(D, c.kda_heads, c.kda_head_dim, c.conv_size).items():
+            yield f"self_attn.{name}", shape, dtype
+    else:
+        yield "self_attn.q_proj.weight", (NH * (nope + rope), D), bf
+        yield "self_attn.kv_a_proj_with_mqa.weight", (r + rope, D), bf
+        yield "self_attn.kv_a_layernorm.weight", (r,), bf
+        yield "self_attn.kv_b_proj.weight", (NH * (nope + dv), r), bf
+        yield "self_attn.o_proj.weight", (D, NH * dv), bf
+    if c.is_moe(i):
+        E, I = c.num_experts, c.moe_intermediate_size
+        yield "block_sparse_moe.gate.weight", (E, D), bf
+        yield "block_sparse_moe.gate.e_score_correction_bias", (E,), f32
+        yield "block_sparse_moe.w13", (E, 2 * I, D), bf
+        yield "block_sparse_moe.w2", (E, D, I), bf
+        if c.num_shared_experts:
+            S = I * c.num_shared_experts
+            yield "block_sparse_moe.shared_experts.gate_proj.weight", (S, D), bf
+            yield "block_sparse_moe.shared_experts.up_proj.weight", (S, D), bf
+            yield "block_sparse_moe.shared_experts.down_proj.weight", (D, S), bf
+    else:
+        I = c.intermediate_size
+        yield "mlp.gate_proj.weight", (I, D), bf
+        yield "mlp.up_proj.weight", (I, D), bf
+        yield "mlp.down_proj.weight", (D, I), bf
+
+
+class _Params(nn.Module):
+    """Parameters under checkpoint names (dots as colons), zero-initialised."""
+
+    def __init__(self, shapes):
         super().__init__()
-        self.c = c
         self.params = nn.ParameterDict()
-        for name, shape, dtype in self._shapes():
+        for name, shape, dtype in shapes:
             self.params[_name(name)] = nn.Parameter(torch.zeros(shape, dtype=dtype))
-
-    def _shapes(self):
-        c, D = self.c, self.c.hidden_size
-        bf, f32 = torch.bfloat16, torch.float32
-        yield "model.embed_tokens.weight", (c.vocab_size, D), bf
-        yield "model.norm.weight", (D,), bf
-        yield "lm_head.weight", (c.vocab_size, D), bf
-        NH, nope, rope, dv, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                                 c.kv_lora_rank)
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}"
-            yield f"{p}.input_layernorm.weight", (D,), bf
-            yield f"{p}.post_attention_layernorm.weight", (D,), bf
-            if c.is_kda(i):
-                for name, (shape, dtype) in kda_shapes(D, c.kda_heads, c.kda_head_dim, c.conv_size).items():
-                    yield f"{p}.self_attn.{name}", shape, dtype
-            else:
-                yield f"{p}.self_attn.q_proj.weight", (NH * (nope + rope), D), bf
-                yield f"{p}.self_attn.kv_a_proj_with_mqa.weight", (r + rope, D), bf
-                yield f"{p}.self_attn.kv_a_layernorm.weight", (r,), bf
-                yield f"{p}.self_attn.kv_b_proj.weight", (NH * (nope + dv), r), bf
-                yield f"{p}.self_attn.o_proj.weight", (D, NH * dv), bf
-            if c.is_moe(i):
-                m, E, I = f"{p}.block_sparse_moe", c.num_experts, c.moe_intermediate_size
-                yield f"{m}.gate.weight", (E, D), bf
-                yield f"{m}.gate.e_score_correction_bias", (E,), f32
-                yield f"{m}.w13", (E, 2 * I, D), bf
-                yield f"{m}.w2", (E, D, I), bf
-                if c.num_shared_experts:
-                    S = I * c.num_shared_experts
-                    yield f"{m}.shared_experts.gate_proj.weight", (S, D), bf
-                    yield f"{m}.shared_experts.up_proj.weight", (S, D), bf
-                    yield f"{m}.shared_experts.down_proj.weight", (D, S), bf
-            else:
-                I = c.intermediate_size
-                yield f"{p}.mlp.gate_proj.weight", (I, D), bf
-                yield f"{p}.mlp.up_proj.weight", (I, D), bf
-                yield f"{p}.mlp.down_proj.weight", (D, I), bf
 
     def w(self, name: str) -> torch.Tensor:
         return self.params[_name(name)]
 
-    def _under(self, prefix: str) -> dict[str, torch.Tensor]:
+    def under(self, prefix: str) -> dict[str, torch.Tensor]:
         key = _name(prefix) + ":"
         return {k[len(key):].replace(":", "."): v for k, v in self.params.items() if k.startswith(key)}
+
+
+class KimiDecoderLayer(_Params):
+    """One decoder layer (a KDA or MLA mixer; a dense or MoE MLP), its parameters named as under
+    ``model.layers.i.``; one FSDP2 unit when the trainer is sharded."""
+
+    def __init__(self, c: "KimiConfig", i: int):
+        super().__init__(_layer_shapes(c, i))
+        self.c, self.kda, self.moe = c, c.is_kda(i), c.is_moe(i)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cu: list[int]):
+        c, attn = self.c, self.under("self_attn")
+        if self.kda:
+            def mixer(x):
+                return kda_block(x, cu, attn, c.kda_heads, c.kda_head_dim, c.gate_lower_bound)
+        else:
+            def mixer(x):
+                return mla_block(c, x, cu, attn)
+        if self.moe:
+            moe = self.under("block_sparse_moe")
+
+            def mlp(x):
+                return kimi_moe_block(c, x, moe)
+        else:
+            dense = [self.w(f"mlp.{n}_proj.weight") for n in ("gate", "up", "down")]
+
+            def mlp(x):
+                return mlp_block(x, *dense)
+
+        def norm(name):
+            return lambda x, r: rms_norm_maybe_residual(x, r, self.w(f"{name}.weight"), c.rms_norm_eps)
+
+        return decoder_layer(h, residual, norm("input_layernorm"), mixer, norm("post_attention_layernorm"), mlp)
+
+
+class KimiLinearForCausalLM(_Params):
+    """Kimi Linear for the trainer: embeddings, decoder layers (:class:`KimiDecoderLayer`), the final norm and an
+    untied head. Parameters keep the checkpoint's names (dots as colons; a layer's under ``model.layers.i.``); the
+    routed experts are held stacked as ``block_sparse_moe.w13`` / ``.w2``. ``layers`` are the FSDP2 units of a
+    sharded trainer (``vllm_bi.trainer.distributed``)."""
+
+    def __init__(self, c: KimiConfig):
+        D, bf = c.hidden_size, torch.bfloat16
+        super().__init__([("model.embed_tokens.weight", (c.vocab_size, D), bf), ("model.norm.weight", (D,), bf),
+                          ("lm_head.weight", (c.vocab_size, D), bf)])
+        self.c = c
+        self.layers = nn.ModuleList(KimiDecoderLayer(c, i) for i in range(c.num_hidden_layers))
+
+    def hf_parameters(self):
+        """``(checkpoint name, parameter)`` of every parameter, the stacked experts under their stacked names."""
+        for key, p in self.params.items():
+            yield key.replace(":", "."), p
+        for i, layer in enumerate(self.layers):
+            for key, p in layer.params.items():
+                yield f"model.layers.{i}." + key.replace(":", "."), p
 
     @classmethod
     def from_pretrained(cls, path: str) -> "KimiLinearForCausalLM":
@@ -289,8 +341,7 @@ class KimiLinearForCausalLM(nn.Module):
             have[f"{m}.w13"] = torch.stack([torch.cat([a, b]) for a, b in zip(w1, w3)])
             have[f"{m}.w2"] = torch.stack(w2)
         with torch.no_grad():
-            for key, p in self.params.items():
-                name = key.replace(":", ".")
+            for name, p in self.hf_parameters():
                 if name not in have:
                     raise KeyError(f"Kimi Linear checkpoint: no {name}")
                 t = have[name]
@@ -301,10 +352,11 @@ class KimiLinearForCausalLM(nn.Module):
 
     def hf_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor | None]:
         """The parameters (with ``grads``: their gradients, None where a parameter has none) under the checkpoint's
-        names, the stacked experts split back into ``experts.E.w1/w3/w2``."""
+        names, whole (FSDP2 shards gathered), the stacked experts split back into ``experts.E.w1/w3/w2``."""
         out = {}
-        for key, p in self.params.items():
-            name, t = key.replace(":", "."), (p.grad if grads else p.detach())
+        for name, p in self.hf_parameters():
+            t = p.grad if grads else p.detach()
+            t = None if t is None else _full(t)
             if name.endswith(".block_sparse_moe.w13"):
                 I = p.shape[1] // 2
                 for e in range(p.shape[0]):
@@ -322,33 +374,9 @@ class KimiLinearForCausalLM(nn.Module):
         hybrid GDN mode's argument; Kimi's KDA layers run the recurrent mode)."""
         c = self.c
         cu = [int(x) for x in cu_seqlens]
-        h = self.w("model.embed_tokens.weight")[input_ids]
-        residual = None
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}"
-            attn = self._under(f"{p}.self_attn")
-            if c.is_kda(i):
-                def mixer(x, attn=attn):
-                    return kda_block(x, cu, attn, c.kda_heads, c.kda_head_dim, c.gate_lower_bound)
-            else:
-                def mixer(x, attn=attn):
-                    return mla_block(c, x, cu, attn)
-            if c.is_moe(i):
-                moe = self._under(f"{p}.block_sparse_moe")
-
-                def mlp(x, moe=moe):
-                    return kimi_moe_block(c, x, moe)
-            else:
-                dense = [self.w(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")]
-
-                def mlp(x, dense=dense):
-                    return mlp_block(x, *dense)
-
-            def norm(name):
-                return lambda x, r: rms_norm_maybe_residual(x, r, self.w(f"{p}.{name}.weight"), c.rms_norm_eps)
-
-            h, residual = decoder_layer(h, residual, norm("input_layernorm"), mixer, norm("post_attention_layernorm"),
-                                        mlp)
+        h, residual = self.w("model.embed_tokens.weight")[input_ids], None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cu)
         # the last residual added in bf16, then the final norm alone: vLLM's Kimi model ends its forward with the sum
         # and normalises in compute_logits (a fused add-and-norm keeps the sum in fp32: other bits)
         h = rms_norm_maybe_residual(h + residual, None, self.w("model.norm.weight"), c.rms_norm_eps)

@@ -110,9 +110,6 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         model = StockModel.from_pretrained(model_dir).to(dist.device)
     else:
         model = from_pretrained(model_dir).to(dist.device)
-    if dist.world > 1 and not hasattr(model, "layers"):
-        raise TrainerError(f"{type(model).__name__} trains in one process (no FSDP2 units); drop torchrun",
-                           exit_code=USAGE)
     dist.shard(model)
     policy = Policy(model, cfg, dist)
     if dist.main:
