@@ -84,6 +84,10 @@ CONFIG_CASES = [
     ("LFM2 (short convolution)", "config:Lfm2Config", {}),
     ("Jamba (Mamba)", "config:JambaConfig", {}),
     ("control: Llama, attention only", "config:LlamaConfig", {}),
+    # Kimi Linear on CPU: CPU_MLA (whose metadata the MLA forward wraps), chunked prefill and prefix caching kept
+    ("kimi linear, split prefill and prefix caching", "kimi-linear",
+     {"enable_prefix_caching": True, "max_num_batched_tokens": 32}),
+    ("kimi linear, another attention backend", "kimi-linear", {"attention_backend": "CPU_ATTN"}),
 ]
 # small configs for the "config:" cases (the other fields keep transformers' defaults)
 OTHER_FAMILIES = {
@@ -128,6 +132,10 @@ def engine_configs(tiny_model_path, tmp_path_factory):
         "    try:\n"
         "        c = EngineArgs(model=model, **kw).create_engine_config()\n"
         "        row = [name, True, f'{c.cache_config.mamba_ssm_cache_dtype} {c.model_config.enforce_eager}']\n"
+        "        if name.startswith('kimi'):\n"
+        "            s = c.scheduler_config\n"
+        "            row[2] += (f' {c.attention_config.backend.name} {s.enable_chunked_prefill} '\n"
+        "                       f'{c.cache_config.enable_prefix_caching} {s.max_num_batched_tokens}')\n"
         "    except Exception as e:\n"
         "        row = [name, False, f'{type(e).__name__}: {e}']\n"
         "    print('CASE ' + json.dumps(row), flush=True)\n"
@@ -140,6 +148,15 @@ def engine_configs(tiny_model_path, tmp_path_factory):
 
 def test_auto_state_cache_becomes_float32(engine_configs):
     assert engine_configs["auto state cache"] == (True, "float32 True")
+
+
+def test_kimi_linear_keeps_split_prefill_and_prefix_caching_on_cpu_mla(engine_configs):
+    """vLLM's CPU platform turns chunked prefill and prefix caching off for MLA models; for Kimi Linear vllm_bi keeps
+    them and the step's token budget, and serves with CPU_MLA (vLLM would take AMX_MLA on a CPU with AMX tiles,
+    whose metadata the batch-invariant MLA forward does not read); another backend is refused with the fix."""
+    assert engine_configs["kimi linear, split prefill and prefix caching"] == (True, "float32 True CPU_MLA True True 32")
+    ok, detail = engine_configs["kimi linear, another attention backend"]
+    assert not ok and "Drop --attention-backend or choose CPU_MLA" in detail, detail
 
 
 def test_explicit_bf16_state_cache_is_refused(engine_configs):

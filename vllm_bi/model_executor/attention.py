@@ -217,7 +217,12 @@ def _mla_step(layer):
 def _mla_layout(md, block_size: int, dev):
     """Once per step: the cache blocks the step's sequences use, in table order (``blocks``), and the step as
     :func:`_paged_rows` reads it, over a decompressed cache that holds those blocks in that order."""
-    seq_lens, table = md.vllm_bi_layout  # kept by wrap_mla_build
+    layout = getattr(md, "vllm_bi_layout", None)  # kept by wrap_mla_build
+    if layout is None:
+        raise RuntimeError(f"vllm_bi: the MLA metadata ({type(md).__name__}) has no step layout: its backend's "
+                           "builder is not the one the batch-invariant MLA forward wraps; serve with "
+                           "--attention-backend CPU_MLA")
+    seq_lens, table = layout
 
     def build():
         R = seq_lens.shape[0]

@@ -64,7 +64,7 @@ def wrap_create_engine_config(orig):
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         _hybrid_prefix_caching(self)
-        _kimi_linear(self)
+        _kimi_linear(self, current_platform)
         _refuse_hybrid_on_cuda(current_platform)
         if current_platform.is_cuda():
             chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
@@ -202,10 +202,11 @@ def _hybrid_prefix_caching(args) -> None:
                    "have other bits)")
 
 
-def _kimi_linear(args) -> None:
+def _kimi_linear(args, platform) -> None:
     """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
     engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
-    lacks); refused when set on."""
+    lacks); refused when set on. On CPU the attention backend is CPU_MLA, whose metadata builder the batch-invariant
+    MLA forward wraps (vLLM would pick AMX_MLA on a CPU with AMX tiles); another one is refused."""
     if model_families.local_architecture(args.model) != "KimiLinearForCausalLM":
         return
     if os.environ.get("VLLM_KIMI_K3_GEMM_AR", "0") not in ("0", ""):
@@ -213,6 +214,15 @@ def _kimi_linear(args) -> None:
             "vllm_bi: VLLM_KIMI_K3_GEMM_AR fuses o_proj's GEMM with its all-reduce, which is not the trainer's "
             "GEMM; unset it or set it to 0")
     os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
+    if not platform.is_cpu():
+        return
+    chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
+    if chosen is None:
+        args.attention_backend = "CPU_MLA"
+    elif "CPU_MLA" not in str(chosen):
+        raise BatchInvarianceConfigError(
+            f"vllm_bi: Kimi Linear's batch-invariant MLA forward reads the CPU_MLA backend's metadata; the chosen "
+            f"attention backend {chosen} would not give it. Drop --attention-backend or choose CPU_MLA.")
 
 
 def wrap_cpu_platform_config(orig):
