@@ -2,6 +2,7 @@
 :mod:`vllm_bi.ops` and :mod:`vllm_bi.gdn` with autograd backwards (no vLLM code runs here). :func:`from_pretrained`
 builds the one a checkpoint's ``config.json`` names."""
 
+from vllm_bi.model_dir import read_model_config
 from vllm_bi.models.kimi_linear import KimiLinearForCausalLM
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 
@@ -10,12 +11,9 @@ __all__ = ["KimiLinearForCausalLM", "QwenGDNForCausalLM", "from_pretrained", "mo
 
 def model_class(path: str):
     """The trainer model class for the checkpoint directory ``path``: Kimi Linear's, else the Qwen GDN hybrids' (which
-    refuses another architecture by name when it reads the config)."""
-    import json
-    import os
-
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        archs = json.load(f).get("architectures") or [None]
+    refuses another architecture by name when it reads the config). A missing or unreadable ``config.json`` is
+    refused in one line (:func:`vllm_bi.model_dir.read_model_config`)."""
+    archs = read_model_config(path, supported=False).get("architectures") or [None]
     return KimiLinearForCausalLM if archs[0] == "KimiLinearForCausalLM" else QwenGDNForCausalLM
 
 
