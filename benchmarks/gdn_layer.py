@@ -1,5 +1,5 @@
 """Benchmark: one GDN layer core at Qwen3.5-9B dimensions (16 key / 32 value heads of dim 128, conv width 4),
-stock (non-batch-invariant) vs vllm_bi's recurrent, chunk-aligned and hybrid batch-invariant modes, on CUDA.
+stock (non-batch-invariant) vs vllm_bi's recurrent and chunk-aligned batch-invariant modes, on CUDA.
 
     python benchmarks/gdn_layer.py --part forward [--out forward.md] [--quick] [--rows decode]
     python benchmarks/gdn_layer.py --part train [--out train.md]
@@ -16,16 +16,15 @@ gating (g, beta), the delta-rule recurrence with per-sequence states. Rows:
     pinned configs), explicit fp32 states;
   - recurrent / chunk core: ``gdn_varlen`` (what the server and the trainer run: the packed conv +
     gating + the recurrence), states passed in ``[N, HV, V, K]`` memory (one transposing copy for fla-core);
-  - recurrent / chunk / hybrid server: ``gdn.bi_gdn_core``, the server's glue around that core for one layer
+  - recurrent / chunk server: ``gdn.bi_gdn_core``, the server's glue around that core for one layer
     and one step: states and conv states gathered from cache slots and stored back (the chunk mode: the
-    partial block assembled from the conv history; the hybrid mode: prefill rows are whole prompts, chunked up
-    to their last boundary, and decodes are generated tokens, the recurrence from each slot's full state).
+    partial block assembled from the conv history).
     Stock's vLLM kernels read and write the cache in place, which the stock column (states passed directly)
     matches;
   - decode in the chunk mode recomputes the partial block after the last 64-token boundary: its rows run
     ``--partial`` (default 32, the mean) + 1 tokens per sequence, and one row the worst case, 63 + 1.
 * trainer forward+backward B x T: stock = fla conv + chunk forward and backward; BI = ``gdn_varlen``
-  forward in each mode (hybrid: the first half of each sequence is its prompt) and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
+  forward in each mode and its backward (fla-core's chunked kernel, or the torch recurrence where fla-core
   refuses it; the table says which). The stock run is "n/a" where fla-core refuses its own backward
   (Hopper with Triton < 3.7.1 and no tilelang). Each row has the step's wall time and its GPU time (kernels and
   copies, torch.profiler): the step is host-bound at these sizes, so the wall ratio moves with host noise
@@ -103,13 +102,8 @@ def bi_core(lens, mixed, conv_w, A_log, a, b, dt_bias, conv_states, states, mode
     for n in lens:
         ranges.append((s, s + n))
         s += n
-    chunk_rows = None
-    if mode == "hybrid":  # an RL sample: the first half of each sequence is its prompt (switch at its last boundary)
-        from vllm_bi.gdn.chunk import hybrid_chunk_rows
-
-        chunk_rows = [hybrid_chunk_rows(n // 2, 0, n) for n in lens]
     return gdn_varlen(mixed, ranges, conv_w, conv_states, A_log, a, b, dt_bias, states, H, K, V, mode=mode,
-                      chunk_rows=chunk_rows, packed=packed)
+                      packed=packed)
 
 
 def bi_kernel(lens, q, k, v, g, beta, states, mode):
@@ -185,7 +179,7 @@ def server_step(shape: Shape, mode: str, dev: str):
     N, T = len(shape.lens), sum(shape.lens)
     mixed, conv_w, A_log, a, b, dt_bias = _inputs(shape.lens, dev)
     dim_first = is_conv_state_dim_first()
-    rows, width = (G.history_rows(W), D + 2 * HV) if mode in ("chunk", "hybrid") else (W - 1, D)
+    rows, width = (G.history_rows(W), D + 2 * HV) if mode == "chunk" else (W - 1, D)
     conv = torch.randn(2 * N, *((width, rows) if dim_first else (rows, width)), device=dev).bfloat16()
     ssm = torch.randn(2 * N, HV, V, K, device=dev) * 0.1
     layer = types.SimpleNamespace(
@@ -200,9 +194,7 @@ def server_step(shape: Shape, mode: str, dev: str):
         non_spec_state_indices_tensor=torch.randperm(2 * N)[:N].to(dev),
         num_decodes=N if shape.decode else 0, num_prefills=0 if shape.decode else N,
         num_decode_tokens=N if shape.decode else 0, has_initial_state=torch.tensor([shape.decode] * N, device=dev),
-        vllm_bi_num_computed=torch.tensor(computed, device=dev),
-        # hybrid mode: decodes are generated tokens (past the prompt's last boundary), prefills whole prompts
-        vllm_bi_prompt_lens=[4 * CHUNK] * N if shape.decode else list(shape.lens))
+        vllm_bi_num_computed=torch.tensor(computed, device=dev))
     out = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
 
     def step():
@@ -226,7 +218,7 @@ def time_bi_forward(shape: Shape, mode: str, dev: str, reps: int) -> tuple[float
 
 def time_train(lens: list[int], mode: str, dev: str, reps: int) -> tuple[float | None, float | None, str]:
     """fwd+bwd milliseconds (wall, then GPU time: :func:`common.gpu_ms`) and the backward path; ``mode`` stock |
-    recurrent | chunk | hybrid."""
+    recurrent | chunk."""
     from vllm_bi.gdn import recurrent as gr
 
     N = len(lens)
@@ -300,14 +292,14 @@ def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> Non
     # stock first: the chunk mode pins fla-core's kernels process-wide, which would change the stock runs
     stock = {sh.label: time_stock_forward(sh, dev, reps) for sh in shapes}
     rep.add("| shape | stock | recurrent kernel | ratio | chunk kernel | ratio | recurrent core | ratio | "
-            "chunk core | ratio | recurrent server | ratio | chunk server | ratio | hybrid server | ratio |",
-            "| --- |" + " ---: |" * 15)
+            "chunk core | ratio | recurrent server | ratio | chunk server | ratio |",
+            "| --- |" + " ---: |" * 13)
     tuned = _autotuned()
     gpu_rows = []
     for sh in shapes:
         rk, rc = time_bi_forward(sh, "recurrent", dev, reps)
         ck, cc = time_bi_forward(sh, "chunk", dev, reps)
-        servers = [time_server_core(sh, m, dev, reps) for m in ("recurrent", "chunk", "hybrid")]
+        servers = [time_server_core(sh, m, dev, reps) for m in ("recurrent", "chunk")]
         s, s_gpu = stock[sh.label]
         rep.add(f"| {sh.label} | {s:.3f} | " + " | ".join(
             f"{t:.3f} | {t / s:.2f}x" for t in (rk, ck, rc, cc, *(w for w, _ in servers))) + " |")
@@ -315,8 +307,8 @@ def forward_tables(rep: Report, shapes: list[Shape], dev: str, reps: int) -> Non
             f"{g:.3f} | {g / s_gpu:.2f}x" for _, g in servers) + " |")
     # a decode step replayed in a CUDA graph (VLLM_BI_CUDA_GRAPHS=decode, stock's default) pays no host time
     rep.add("", "GPU time (kernels and copies, torch.profiler; host gaps excluded, as in a replayed CUDA graph):", "",
-            "| shape | stock | recurrent server | ratio | chunk server | ratio | hybrid server | ratio |",
-            "| --- |" + " ---: |" * 7, *gpu_rows)
+            "| shape | stock | recurrent server | ratio | chunk server | ratio |",
+            "| --- |" + " ---: |" * 5, *gpu_rows)
     _configs(rep, tuned)
 
 
@@ -328,20 +320,19 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
         print(f"[train] stock {label}: {_ms(stock[label][0])} ms ({time.time() - t0:.0f} s with compiles)",
               flush=True)
     tuned = _autotuned()
-    rep.add("Hybrid: each sequence's first half is its prompt (chunk rows up to its last 64-token boundary), the "
-            "rest its completion (recurrent rows), as in an RL sample. Wall: CUDA events around the step (host "
+    rep.add("Wall: CUDA events around the step (host "
             "time included: at these sizes the step is host-bound and the wall ratio follows host noise). GPU: "
             "the kernels' and copies' device time per step (torch.profiler), host gaps excluded.", "",
-            "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | hybrid BI | ratio | "
-            "GPU ms: stock | recurrent | ratio | chunk | ratio | hybrid | ratio | "
-            "backward (stock; recurrent; chunk; hybrid) |",
-            "| --- |" + " ---: |" * 14 + " --- |")
+            "| trainer fwd+bwd | stock | recurrent BI | ratio | chunk BI | ratio | "
+            "GPU ms: stock | recurrent | ratio | chunk | ratio | "
+            "backward (stock; recurrent; chunk) |",
+            "| --- |" + " ---: |" * 10 + " --- |")
     slow = False  # the torch-recurrence backward ran (fla-core refused its own): too slow for 64K tokens
     for label, lens in train:
         if slow and len(lens) > 16:
             rep.add(f"| {label} | skipped: the BI backward runs the torch recurrence here |")
             continue
-        runs = [stock[label]] + [time_train(lens, m, dev, reps) for m in ("recurrent", "chunk", "hybrid")]
+        runs = [stock[label]] + [time_train(lens, m, dev, reps) for m in ("recurrent", "chunk")]
         slow = slow or any(p == "torch recurrence" for _, _, p in runs)
         (ts, gs, _) = runs[0]
         wall = " | ".join(f"{_ms(t)} | {_ratio(t, ts)}" for t, _, _ in runs[1:])
@@ -445,7 +436,7 @@ def main() -> None:
               Shape("decode 256", [1] * 256, True, p), Shape("decode 256, partial 63 (worst)", [1] * 256, True, 63)]
     # the torch-recurrence backward (where fla-core refuses its chunked one) keeps every step's state: 4K tokens
     # the three shapes of the per-layer cost targets, then an RL-sized batch (many sequences: the recurrent
-    # kernel of the recurrent and hybrid modes runs sequences in parallel, tokens in order)
+    # kernel of the recurrent mode runs sequences in parallel, tokens in order)
     train = [("train 1x4K", [4096]), ("train 4x1K", [1024] * 4), ("train 16x256", [256] * 16),
              ("train 64x1K (RL batch)", [1024] * 64)]
     if args.quick:

@@ -1,7 +1,7 @@
 """Benchmark: end-to-end generator throughput through a real ``vllm serve`` (OpenAI HTTP), batch-invariant vs
 stock, on a random-weight GDN hybrid (default: Qwen3.5-9B layer dimensions, 4 layers, built locally).
 
-    python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,hybrid,chunk-triton]
+    python benchmarks/generate_throughput.py [--modes stock,stock-eager,recurrent,chunk,chunk-triton]
         [--requests 64] [--prompt-len 256] [--max-tokens 128] [--layers N] [--out results.md]
 
 For each mode one server is started, warmed up with both phases' shapes (unmeasured), then measured in two
@@ -13,8 +13,8 @@ phases, each with ``--requests`` concurrent requests of distinct random prompts 
 
 Modes: ``stock`` (VLLM_BATCH_INVARIANT=0, CUDA graphs as vLLM defaults), ``stock-eager`` (the same with
 ``--enforce-eager``: BI mode runs eagerly, so this separates the CUDA-graph share of the gap),
-``recurrent`` / ``chunk`` / ``hybrid`` (VLLM_BATCH_INVARIANT=1 with the plugin and that ``VLLM_BI_GDN_MODE``) and
-``recurrent-triton`` / ``chunk-triton`` / ``hybrid-triton`` (the same with ``VLLM_BI_GEMM=triton``). Every other ``VLLM_BI_*`` setting
+``recurrent`` / ``chunk`` (VLLM_BATCH_INVARIANT=1 with the plugin and that ``VLLM_BI_GDN_MODE``) and
+``recurrent-triton`` / ``chunk-triton`` (the same with ``VLLM_BI_GEMM=triton``). Every other ``VLLM_BI_*`` setting
 (``VLLM_BI_GEMM``, ``VLLM_BI_GEMM_CONFIGS``, ``VLLM_BI_ATTENTION``, ``VLLM_BI_MOE``, ``VLLM_BI_CUDA_GRAPHS``) passes
 from the environment to the BI modes, and the table's header names each; a mode that would contradict the
 environment (``VLLM_BI_GEMM=fp64`` set with ``--modes chunk-triton``) is refused before any server starts. Each
@@ -41,10 +41,8 @@ MODES = {  # name -> (batch invariant, extra environment, extra server args)
     "stock-eager": (False, {}, ["--enforce-eager"]),
     "recurrent": (True, {"VLLM_BI_GDN_MODE": "recurrent"}, []),
     "chunk": (True, {"VLLM_BI_GDN_MODE": "chunk"}, []),
-    "hybrid": (True, {"VLLM_BI_GDN_MODE": "hybrid"}, []),
     "recurrent-triton": (True, {"VLLM_BI_GDN_MODE": "recurrent", "VLLM_BI_GEMM": "triton"}, []),
     "chunk-triton": (True, {"VLLM_BI_GDN_MODE": "chunk", "VLLM_BI_GEMM": "triton"}, []),
-    "hybrid-triton": (True, {"VLLM_BI_GDN_MODE": "hybrid", "VLLM_BI_GEMM": "triton"}, []),
 }
 SETTINGS = ("VLLM_BI_GEMM", "VLLM_BI_GEMM_CONFIGS", "VLLM_BI_ATTENTION", "VLLM_BI_MOE", "VLLM_BI_CUDA_GRAPHS")
 
@@ -54,12 +52,10 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def model_runner(hybrid: bool, environ) -> str:
-    """Which vLLM model runner a row's server used: the hybrid GDN mode pins V1; otherwise
-    ``VLLM_USE_V2_MODEL_RUNNER`` or vLLM's own choice (V2 on CUDA, V1 on CPU). Rows on different runners are not
-    like for like (``docs/results/2026-11-30-h200-triton-gemm-e2e-and-hybrid.md``)."""
-    if hybrid:
-        return "V1 (pinned by the hybrid mode)"
+def model_runner(environ) -> str:
+    """Which vLLM model runner a row's server used: ``VLLM_USE_V2_MODEL_RUNNER`` or vLLM's own choice (V2 on CUDA,
+    V1 on CPU). Rows on different runners are not like for like
+    (``docs/results/2026-11-30-h200-triton-gemm-e2e-and-hybrid.md``)."""
     value = (environ.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
     return {"1": "V2", "true": "V2", "0": "V1", "false": "V1"}.get(value, "vLLM's choice (V2 on CUDA)")
 
@@ -186,7 +182,7 @@ def main() -> int:
         env = cpu_env(bi, extra_env)
         gdn = (env.get("VLLM_BI_GDN_MODE") or "recurrent") if bi else "stock"
         gemm = Settings.from_env(env).gemm_on(device) if bi else "cuBLAS"  # what the server resolves it to
-        runner = model_runner(bi and gdn == "hybrid", env)
+        runner = model_runner(env)
         t0 = time.time()
         print(f"[bench] {mode}: starting vllm serve {' '.join(server_args)}", flush=True)
         try:

@@ -218,8 +218,8 @@ def main() -> None:
         print("\n".join(lines), flush=True)
     modes = sorted(args.modes.split(","), key=lambda m: m != "stock")
     bad = [m for m in modes if m not in ("stock", "recurrent", "chunk")]
-    if bad:  # the hybrid mode needs each sequence's prompt length: gdn_layer.py --part train has its column
-        ap.error(f"unknown mode(s) {bad}: choose from stock, recurrent, chunk (the hybrid mode: gdn_layer.py)")
+    if bad:
+        ap.error(f"unknown mode(s) {bad}: choose from stock, recurrent, chunk")
     for mode in modes:
         for spec in args.shapes.split(","):
             label, dims = spec.split(":")

@@ -37,9 +37,7 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 import gpu_suite as S  # noqa: E402
 
-# the hybrid mode is refused on CUDA (``patch.engine_config._refuse_hybrid_on_cuda``) since this gate measured it inexact there;
-# add it back with its fix
-MODES = ("recurrent", "chunk")
+MODES = ("recurrent", "chunk")  # the GDN modes the gate runs
 from vllm_bi.settings import DEFAULT_PRESET  # noqa: E402
 
 OTHER = "portable" if DEFAULT_PRESET == "auto" else "auto"  # the preset the default rows do not cover

@@ -82,7 +82,6 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
     trainer = ["-m", "vllm_bi.trainer", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
                "--max-tokens", "12", "--tensorboard", "false", "--progress", "false",
                "--server-args", f"--max-num-batched-tokens 256 --max-num-seqs 32 {MEM}"]
-    long_task = ["--task", long_prompts(models), "--reward", "contains"]
     # the fast settings (tuned Triton GEMM with the shipped H200 table + decode graphs): _parity's arguments, and
     # the same as a trainer job's environment
     fast = {"gemm": "triton", "graphs": "decode", "tiles": "h200-qwen3.5-9b"}
@@ -122,31 +121,6 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
                           prompts=long_prompts(models)),
                   Job("trainer 1 GPU chunk mode qwen3.5", "trainer", [sys.executable, *trainer, "--model", m["qwen3.5"]],
                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "chunk"})],
-        # the hybrid GDN mode: prompts' whole blocks chunked, the rest recurrent (long prompts split by the batch
-        # budget, 80 decodes), and an RL trainer through it (its backward crosses the switch)
-        "hybrid": [_parity("parity hybrid mode qwen3.5", m["qwen3.5"], gdn="hybrid", max_tokens=80,
-                           prompts=long_prompts(models)),
-                   _parity("parity hybrid mode qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid", max_tokens=80,
-                           prompts=long_prompts(models)),
-                   _parity("parity hybrid mode qwen3.5-moe", m["qwen3.5-moe"], gdn="hybrid", max_tokens=80,
-                           prompts=long_prompts(models)),
-                   _parity("parity hybrid mode + CUDA graphs (decode) qwen3.5", m["qwen3.5"], gdn="hybrid",
-                           graphs="decode", max_tokens=80, prompts=long_prompts(models)),
-                   Job("trainer 1 GPU hybrid mode qwen3.5 (long prompts)", "trainer",
-                       [sys.executable, *trainer, *long_task, "--model", m["qwen3.5"]],
-                       {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid"})],
-        # the candidate fast settings: hybrid GDN mode + tuned Triton GEMM (the shipped H200 table) + decode graphs
-        "hybrid-fast": [
-            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5", m["qwen3.5"], gdn="hybrid", max_tokens=80,
-                    prompts=long_prompts(models), **fast),
-            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5 9b-dims", m["qwen3.5-9b"], gdn="hybrid",
-                    max_tokens=80, prompts=long_prompts(models), **fast),
-            # MoE: the grouped triton experts (the CUDA default) can be captured
-            _parity(f"parity hybrid-fast (hybrid + {fast_name}) qwen3.5-moe", m["qwen3.5-moe"],
-                    gdn="hybrid", max_tokens=80, prompts=long_prompts(models), **fast),
-            Job(f"trainer 1 GPU hybrid-fast (hybrid + {fast_name}) qwen3.5 (long prompts)", "trainer",
-                [sys.executable, *trainer, *long_task, "--model", m["qwen3.5"]],
-                {"VLLM_BI_CUDA_OPS": "vllm_bi", "VLLM_BI_GDN_MODE": "hybrid", **fast_env})],
         # the experimental Triton-persistent GEMM mode (VLLM_BI_GEMM=triton), with and without the chunk mode
         "gemm-triton": [_parity("parity own-ops triton GEMM qwen3.5", m["qwen3.5"], gemm="triton"),
                         _parity("parity own-ops triton GEMM qwen3.5 9b-dims", m["qwen3.5-9b"], gemm="triton",
@@ -191,7 +165,7 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
         # unusual head shapes (hidden 1536, GDN 4 / 8 heads, 48 experts top-6, 7 layers), prompts of 5-700 tokens, in
         # every GDN mode, and the stock control
         "heads": [_parity(f"parity {mode} mode qwen3.5-moe odd-heads", m["qwen3.5-moe-odd"], gdn=mode, max_tokens=64,
-                          prompts=mixed_prompts(models)) for mode in ("chunk", "recurrent", "hybrid")]
+                          prompts=mixed_prompts(models)) for mode in ("chunk", "recurrent")]
                  + [_parity("control: stock vLLM qwen3.5-moe odd-heads", m["qwen3.5-moe-odd"], stock=True,
                             max_tokens=64, prompts=mixed_prompts(models))],
         "quick": [_parity("parity own-ops qwen3.5", m["qwen3.5"]), _parity("parity own-ops qwen3.5-moe", m["qwen3.5-moe"])],

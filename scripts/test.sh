@@ -23,7 +23,7 @@ else
   # serving, tensor-parallel, CLI, parity-CLI, weight-reload and TRL modules, shard B the rest (about half the time each); the logs are printed one
   # after the other when both are done.
   A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
-     tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_hybrid_mode.py tests/e2e/test_diag.py
+     tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_diag.py
      tests/test_patch_ledger.py tests/e2e/test_weight_reload.py tests/e2e/test_speculative.py
      tests/integrations/test_trl_grpo.py tests/e2e/test_parity_cli.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done

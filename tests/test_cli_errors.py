@@ -95,7 +95,7 @@ CASES = [
     ("parity-prompts-missing", CLI + ["parity", "--model", "{tmp}/gdn", "--prompts", "{tmp}/none.jsonl"], {}, USAGE,
      r"error: --prompts \S+/none\.jsonl: no such file; give a JSONL file"),
     ("parity-bad-setting", CLI + ["parity", "--model", "{tmp}/gdn"], {"VLLM_BI_GDN_MODE": "fast"}, USAGE,
-     r"^vllm-bi parity: error: VLLM_BI_GDN_MODE='fast' is not a setting; use one of auto, recurrent, chunk, hybrid"),
+     r"^vllm-bi parity: error: VLLM_BI_GDN_MODE='fast' is not a setting; use one of auto, recurrent, chunk"),
     ("parity-no-model-flag", CLI + ["parity"], {}, USAGE,
      r"^vllm-bi parity: error: the following arguments are required: --model \(see vllm-bi parity --help\)$"),
     ("unknown-command", CLI + ["pairty"], {}, USAGE, r"^vllm-bi: error: argument cmd: invalid choice: 'pairty'"),

@@ -83,12 +83,12 @@ def test_server_glue_matches_per_sequence_reference(dim_first, kv_layout):
     assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(want, l2.kv_cache[1])
 
 
-def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, patches=(), on_step=lambda: None):
+def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, patches=(), on_step=lambda: None):
     """Serve requests of ``total`` tokens over scheduler ``steps`` (tokens of each request per step) through
     ``gdn.bi_gdn_core`` in ``mode``, from widened conv-state slots holding garbage (new requests must ignore
     it). One-token chunks of running requests are counted as decodes, as vLLM does. Returns each request's
     outputs and the trainer's call, ``gdn_varlen(mode=...)`` over the whole sequences from zero states."""
-    from vllm_bi.gdn.chunk import CHUNK, hybrid_chunk_rows
+    from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.gdn.layer import gdn_varlen
 
     R = CHUNK + W - 1
@@ -113,8 +113,7 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, p
             non_spec_query_start_loc=torch.tensor(qsl), non_spec_state_indices_tensor=torch.tensor([slot[i] for i in reqs]),
             num_decodes=len(dec), num_decode_tokens=len(dec), num_prefills=len(reqs) - len(dec),
             has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
-            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]),
-            vllm_bi_prompt_lens=[prompts[i] for i in reqs] if prompts else None)
+            vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]))
         cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
         o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
         with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
@@ -129,10 +128,9 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, prompts=None, p
     assert done == total
     cu = [0, *torch.tensor(total).cumsum(0).tolist()]
     w = layer.conv1d.weight.reshape(D, W)
-    rows = [hybrid_chunk_rows(p, 0, t) for p, t in zip(prompts, total)] if prompts else None
     ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(n)], w,
                            torch.zeros(n, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
-                           layer.dt_bias, torch.zeros(n, HV, V, K), H, K, V, mode=mode, chunk_rows=rows)
+                           layer.dt_bias, torch.zeros(n, HV, V, K), H, K, V, mode=mode)
     return [torch.cat(o) for o in outs], [r.to(torch.bfloat16) for r in ref]
 
 
@@ -169,8 +167,8 @@ def test_chunk_glue_decode_steps_read_the_ring_after_writing(dim_first):
     fits = []
     real = _chunk_index
 
-    def spy(plan, R, W_, ring, dev):
-        ix = real(plan, R, W_, ring, dev)
+    def spy(plan, R, W_, dev):
+        ix = real(plan, R, W_, dev)
         fits.append(ix.fits)
         return ix
 
@@ -306,30 +304,6 @@ def test_padded_decode_plan_reads_nothing_on_the_host(monkeypatch):
     assert plan.padded and plan.starts.tolist() == [70, 3] and plan.slot_t.tolist() == [5, 0]
 
 
-@pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
-@pytest.mark.parametrize("dim_first", [False, True])
-def test_hybrid_glue_gives_the_trainers_bits(dim_first, kv_layout):
-    """Hybrid mode: three requests (prompts of 140, 70 and 20 tokens: switch points 128, 64 and 0) over five
-    scheduler steps: a prefill crossing its switch point, a step of one-token chunks that vLLM counts as decodes
-    though one of them is a prompt token before its switch point (it must run in the chunk arithmetic, so the
-    recurrent mode's decode shortcut must not take it), a new short prompt alone (all recurrent, from zeros),
-    and steps where every request is past its switch point (the recurrent path on the widened conv slots).
-    Outputs equal the trainer's call, ``gdn_varlen(mode="hybrid")`` over the whole sequences."""
-    paths = []
-    real_recurrent = G._hybrid_recurrent
-
-    def recurrent(*args):
-        paths[-1] = "recurrent"
-        return real_recurrent(*args)
-
-    steps = [[40, 70, 0], [1, 1, 0], [0, 0, 20], [99, 0, 5], [10, 0, 5]]
-    got, ref = _serve_steps("hybrid", [150, 71, 30], steps, dim_first, kv_layout, 6, prompts=[140, 70, 20],
-                            patches=[("_hybrid_recurrent", recurrent)], on_step=lambda: paths.append("chunk"))
-    assert paths == ["chunk", "chunk", "recurrent", "chunk", "recurrent"]
-    for i in range(3):
-        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
-
-
 @pytest.mark.parametrize("kv_layout", [False, True])
 def test_gather_slots_copies_values_and_zeroes_new_requests(kv_layout):
     """The state gather of the server glue: ``cache[slots]`` with new requests' rows zeroed, from slots in the
@@ -370,7 +344,7 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     """The chunk mode's widened conv history (``gdn._chunk_index``, ring): the token at absolute position p sits in
     row p % R. A decode step reads each request's partial block and the W - 1 rows before it, and writes one row;
     a new request reads nothing (its conv state is the zero row); a prefill longer than R writes only its last R
-    rows. The hybrid mode's shifted history rewrites all R rows of every request. A step of decodes fits in the
+    rows. A step of decodes fits in the
     ring at once: its new rows are written first, then the conv reads each block's rows there."""
     from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.model_executor.gdn import StepPlan, _chunk_index
@@ -379,7 +353,7 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     ranges = [(0, 1), (1, 2), (2, 102)]
     starts = [130, 64, 0]  # a decode 2 rows past a boundary, a decode at a boundary, a new 100-token prompt
     plan = StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2])
-    ix = _chunk_index(plan, R, W, True, "cpu")
+    ix = _chunk_index(plan, R, W, "cpu")
     want_read = [(0, p % R) for p in range(128 - (W - 1), 130)] + [(1, p % R) for p in range(64 - (W - 1), 64)]
     assert list(zip(ix.cache_req.tolist(), ix.cache_row.tolist())) == want_read
     n_read = len(want_read)
@@ -394,13 +368,10 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     assert ix.write_row.tolist()[2:] == [p % R for p in range(100 - R, 100)]
     assert ix.store.tolist() == [2]  # only the new request's boundary state: neither decode reached a boundary
     assert not ix.fits  # the prompt's 100 rows do not fit in the ring with its conv rows
-    shifted = _chunk_index(StepPlan(ranges, None, torch.tensor([5, 2, 0]), torch.tensor([2]), starts, [2]),
-                           R, W, False, "cpu")
-    assert shifted.write_src.numel() == 3 * R and shifted.write_req.numel() == 0 and not shifted.fits
     # a step of decodes fits: its new rows go into the ring first, then the conv reads each block in the ring
     # (positions 128..130, 64, 0..2) after the conv rows before it (125..127, 61..63, and -3..-1: zeros)
     dec = StepPlan([(0, 1), (1, 2), (2, 3)], None, torch.tensor([5, 2, 0]), None, [130, 64, 2], [])
-    fx = _chunk_index(dec, R, W, True, "cpu")
+    fx = _chunk_index(dec, R, W, "cpu")
     assert fx.fits and fx.direct is None
     assert list(zip(fx.cache_req.tolist(), fx.cache_row.tolist())) == [
         (0, 128 % R), (0, 129 % R), (0, 130 % R), (1, 64 % R), (2, 0), (2, 1), (2, 2)]
@@ -411,7 +382,7 @@ def test_chunk_history_is_a_ring_read_and_written_only_where_needed():
     assert list(zip(fx.write_req.tolist(), fx.write_row.tolist(), fx.write_src.tolist())) == [
         (0, 130 % R, 0), (1, 64 % R, 1), (2, 2, 2)]
     # with the ring one row shorter a decode completing its block (63 cached rows) would not fit
-    assert not _chunk_index(StepPlan([(0, 1)], None, torch.tensor([5]), None, [127], []), R - 1, W, True, "cpu").fits
+    assert not _chunk_index(StepPlan([(0, 1)], None, torch.tensor([5]), None, [127], []), R - 1, W, "cpu").fits
 
 
 def test_step_plan_is_read_once_per_step():
@@ -466,26 +437,6 @@ def test_a_decode_step_is_planned_without_reading_the_host(monkeypatch):
     del host._vllm_bi_plan
     ref = G.step_plan(host, torch.device("cpu"))
     assert ref.ranges == plan.ranges and torch.equal(ref.rows, plan.rows) and torch.equal(ref.slot_t, plan.slot_t)
-
-
-def test_hybrid_decode_steps_take_the_device_plan_only_under_capture(monkeypatch):
-    """Hybrid mode: a step of one-token chunks gets the host plan eagerly (one of them may be a prompt token
-    before its switch point, needing chunk rows), and the device-only decode plan while a CUDA graph is captured
-    (a replayed step has only generated tokens: the runner keeps the others eager)."""
-    from vllm_bi.model_executor import gdn as G
-
-    def md():
-        return types.SimpleNamespace(
-            non_spec_query_start_loc=torch.tensor([0, 1, 2]), num_decode_tokens=2, num_decodes=2, num_prefills=0,
-            non_spec_state_indices_tensor=torch.tensor([5, 1]), has_initial_state=None,
-            vllm_bi_num_computed=torch.tensor([40, 70]), vllm_bi_prompt_lens=[140, 70])
-
-    monkeypatch.setattr(G, "gdn_mode", lambda: "hybrid")
-    eager = G.step_plan(md(), torch.device("cpu"))
-    assert eager.starts == [40, 70] and eager.recompute == [40, 0] and eager.chunk_rows == [41, 0]
-    monkeypatch.setattr(G, "_capturing", lambda dev: True)
-    captured = G.step_plan(md(), torch.device("cpu"))
-    assert captured.starts is None and captured.chunk_rows is None and captured.slot_t.tolist() == [5, 1]
 
 
 def test_ring_rows_refuse_autograd():

@@ -52,8 +52,8 @@ def test_status_names_changed_sources_and_failed_jobs():
     hashes = dict(G.source_hashes(ROOT), **{"vllm_bi/ops/conv.py": "0" * 64})
     ok, line = G.status(_record(), hashes)
     assert not ok and "changed since the last GPU gate" in line and "vllm_bi/ops/conv.py" in line, line
-    ok, line = G.status(_record(jobs=[{"job": "qwen3.5 hybrid default", "as_expected": False}]), G.source_hashes(ROOT))
-    assert not ok and "failed" in line and "qwen3.5 hybrid default" in line, line
+    ok, line = G.status(_record(jobs=[{"job": "qwen3.5 chunk default", "as_expected": False}]), G.source_hashes(ROOT))
+    assert not ok and "failed" in line and "qwen3.5 chunk default" in line, line
     ok, line = G.status(None)
     assert not ok and "no GPU gate record" in line
     # a record of part of its matrix (--match, one --part) verifies nothing

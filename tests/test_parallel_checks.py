@@ -159,62 +159,9 @@ def test_cuda_graph_setting_is_parsed_and_its_blockers_named(monkeypatch):
     monkeypatch.setenv("VLLM_BI_ATTENTION", "triton")
     monkeypatch.delenv("VLLM_BI_CUDA_OPS")
     assert graph_blockers(has_moe=False) == []
-    monkeypatch.setenv("VLLM_BI_GDN_MODE", "hybrid")  # its decode steps run the recurrence: capturable
-    assert graph_blockers(has_moe=False) == []
-    monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
     _check_graphs(_config())  # a dense model with the recurrent mode and the Triton attention: allowed
     for mode in ("exact", "triton"):  # MoE experts grouped on the device: capturable
         monkeypatch.setenv("VLLM_BI_MOE", mode)
         assert graph_blockers(has_moe=True) == []
     monkeypatch.delenv("VLLM_BI_MOE")  # the CUDA default, triton
     assert graph_blockers(has_moe=True) == []
-
-
-def test_hybrid_mode_keeps_prompt_chunks_out_of_decode_graphs():
-    """Hybrid GDN mode with decode CUDA graphs: vLLM counts a one-token prompt chunk as a uniform decode; a step
-    holding a request still before its prompt's last block boundary must run eagerly (its token needs the chunk
-    arithmetic, a captured step runs the recurrence only). The runner patch forces it off the graph; steps of
-    generated tokens and vLLM's own capture calls pass through unchanged."""
-    import numpy as np
-
-    from vllm_bi.patch.gdn_backend import prompt_chunk_scheduled
-    from vllm_bi.patch.gdn_backend import wrap_batch_execution as _wrap_batch_execution
-
-    batch = SimpleNamespace(num_computed_tokens_cpu=np.array([140, 63, 70, 0]),
-                                  num_prompt_tokens=np.array([140, 64, 70, 0]))
-    assert not prompt_chunk_scheduled(batch, 1)  # at its prompt's end: past the switch (128)
-    assert prompt_chunk_scheduled(batch, 2)  # 63 < 64: the prompt's last token, before its switch
-    assert not prompt_chunk_scheduled(SimpleNamespace(num_computed_tokens_cpu=batch.num_computed_tokens_cpu[2:],
-                                                            num_prompt_tokens=batch.num_prompt_tokens[2:]), 2)
-    seen = []
-
-    def orig(self, num_tokens, num_reqs, num_scheduled_tokens_np, max_num_scheduled_tokens, use_cascade_attn=False,
-             allow_microbatching=True, force_eager=False, force_uniform_decode=None):
-        seen.append(force_uniform_decode)
-        return "dispatched"
-
-    wrapped = _wrap_batch_execution(orig)
-    runner = SimpleNamespace(input_batch=batch)
-    assert wrapped(runner, num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1) \
-        == "dispatched"
-    wrapped(runner, 1, 1, None, 1)
-    wrapped(runner, num_tokens=2, num_reqs=2, num_scheduled_tokens_np=None, max_num_scheduled_tokens=1,
-            force_uniform_decode=True)  # vLLM capturing its graphs: left alone
-    assert seen == [False, None, True]
-
-
-def test_hybrid_mode_pins_the_v1_model_runner(monkeypatch):
-    """vLLM 0.32 runs its V2 model runner on CUDA, where the hybrid mode's prompt lengths are not wired (found on
-    the H200): in the hybrid mode ``VllmConfig.use_v2_model_runner`` says False, and an explicit
-    ``VLLM_USE_V2_MODEL_RUNNER=1`` is refused by name."""
-    from vllm.config import VllmConfig
-
-    from vllm_bi.patch.gdn_backend import _v1_runner_only
-
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    assert _v1_runner_only(SimpleNamespace()) is False
-    monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(_v1_runner_only))
-    assert VllmConfig.__new__(VllmConfig).use_v2_model_runner is False
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(BatchInvarianceConfigError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
-        VllmConfig.__new__(VllmConfig).use_v2_model_runner

@@ -124,7 +124,7 @@ def test_auto_gdn_mode_resolves_once_per_process(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert S.Settings.from_env({}).gdn_mode == "chunk" and S.Settings().arithmetic("cuda")["gdn_mode"] == "chunk"
     assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "recurrent"}).gdn_mode == "recurrent"
-    assert S.Settings.from_dict({"gdn_mode": "hybrid"}).gdn_mode == "hybrid"
+    assert S.Settings.from_dict({"gdn_mode": "chunk"}).gdn_mode == "chunk"
 
 
 def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
@@ -144,7 +144,7 @@ def test_auto_graphs_stay_eager_where_a_decode_cannot_be_captured():
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of auto, recurrent, chunk, hybrid"),
+    ({"VLLM_BI_GDN_MODE": "fast"}, "VLLM_BI_GDN_MODE='fast' is not a setting; use one of auto, recurrent, chunk"),
     ({"VLLM_BI_PRESET": "quick"}, "VLLM_BI_PRESET='quick' is not a setting; use one of auto, portable, fast"),
     ({"VLLM_BI_NONFINITE_GUARD": "maybe"}, "VLLM_BI_NONFINITE_GUARD='maybe' is not a setting; use 1 .on. or 0"),
 ])
@@ -152,6 +152,18 @@ def test_a_bad_value_is_one_line_naming_the_variable_and_the_choices(env, match)
     with pytest.raises(ValueError, match=match) as e:
         S.Settings.from_env(env)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("read", [lambda: S.Settings.from_env({"VLLM_BI_GDN_MODE": "Hybrid"}),
+                                  lambda: S.Settings.from_dict({"gdn_mode": "hybrid"})], ids=["env", "config"])
+def test_the_retired_hybrid_gdn_mode_is_refused_in_one_line_naming_the_modes_to_use(read):
+    """``VLLM_BI_GDN_MODE=hybrid`` (retired) is refused, from the environment or a trainer config's section, in one
+    line that says it is no longer a mode and names the recurrent and chunk modes."""
+    with pytest.raises(ValueError, match=r"gdn_mode|GDN_MODE") as e:
+        read()
+    msg = str(e.value)
+    assert "\n" not in msg and "'hybrid'" in msg.lower() and "no longer a mode" in msg and "retired" in msg
+    assert "use recurrent (the default) or chunk" in msg and "hybrid" not in S._BY_NAME["gdn_mode"].choices
 
 
 def test_dict_round_trip():
@@ -213,10 +225,10 @@ def test_digest_setting_parses_resolves_per_device_and_is_not_arithmetic():
 def test_current_is_read_once_and_reload_rereads(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GDN_MODE", "chunk")  # the test suite's monkeypatch reloads the settings
     assert S.current().gdn_mode == "chunk" and S.current() is S.current()
-    os.environ["VLLM_BI_GDN_MODE"] = "hybrid"  # a change behind the settings' back is not seen ...
+    os.environ["VLLM_BI_GDN_MODE"] = "recurrent"  # a change behind the settings' back is not seen ...
     try:
         assert S.current().gdn_mode == "chunk"
-        assert S.reload().gdn_mode == "hybrid"  # ... until they are read again
+        assert S.reload().gdn_mode == "recurrent"  # ... until they are read again
     finally:
         monkeypatch.setenv("VLLM_BI_GDN_MODE", "recurrent")
 

@@ -97,7 +97,7 @@ def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
     """The trainer's GDN layers take ``gdn_varlen``'s packed output. Per-sequence slices of it would each cost the
     backward a zero tensor of the whole output's size: at 64 x 1K tokens that doubled a layer's training time on the
     H200 (docs/results/2026-12-01-h200-gdn-decode-gpu-time.md)."""
-    from vllm_bi.models import qwen_gdn as hybrid
+    from vllm_bi.models import qwen_gdn
 
     calls = []
 
@@ -105,8 +105,8 @@ def test_gdn_output_stays_packed_under_autograd(tiny_model_path, monkeypatch):
         calls.append(kwargs.get("packed", False))
         return real(*args, **kwargs)
 
-    real = hybrid.gdn_varlen
-    monkeypatch.setattr(hybrid, "gdn_varlen", recording)
+    real = qwen_gdn.gdn_varlen
+    monkeypatch.setattr(qwen_gdn, "gdn_varlen", recording)
     model = QwenGDNForCausalLM.from_pretrained(tiny_model_path("qwen3.5"))
     ids = torch.randint(3, 1000, (40,))
     (-model.token_logprobs(ids, [0, 13, 30, 40])[:-1].mean()).backward()

@@ -73,10 +73,8 @@ def _sample_multiturn(srv, model: str, prompts: list, reqs: list[dict], n: int) 
     request on the conversation). A plain prompt is a one-turn trajectory."""
     from transformers import AutoTokenizer
 
-    from vllm_bi.gdn.chunk import gdn_mode
-    from vllm_bi.trajectories import refuse_hybrid, rollout_trajectories
+    from vllm_bi.trajectories import rollout_trajectories
 
-    refuse_hybrid(gdn_mode())
     tok = AutoTokenizer.from_pretrained(model)
     examples = [p if isinstance(p, dict) else {"prompt": p, "tools": []} for p in prompts for _ in range(n)]
     for r, ex in zip(reqs, examples):
@@ -197,7 +195,7 @@ def adapted_logprobs(model, completions, pack: int = 8, progress=lambda it: it) 
         for j, seq in enumerate(seqs):
             ids[j, : len(seq)], mask[j, : len(seq)] = torch.tensor(seq), 1
         with torch.no_grad():
-            lp = token_logprobs(model, ids.to(dev), mask.to(dev), prompt_lens=[len(c.prompt_ids) for c in group])
+            lp = token_logprobs(model, ids.to(dev), mask.to(dev))
         out.extend(lp[j, len(c.prompt_ids) - 1 : len(c.prompt_ids) - 1 + len(c.token_ids)].tolist()
                    for j, c in enumerate(group))
     return out

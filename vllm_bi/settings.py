@@ -81,10 +81,9 @@ CANONICAL_ROWS_CUDA = False
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
           "a named set of the settings below (explicit variables win); auto: fast on CUDA at TP 1, portable elsewhere"),
-    _Spec("gdn_mode", "auto", ("auto", "recurrent", "chunk", "hybrid"),
-          "GDN arithmetic: the recurrence, 64-row blocks (chunk), or a prompt's whole blocks in chunks (hybrid; refused on "
-          f"CUDA); auto: {GDN_MODE_AUTO_CUDA} where the process has a CUDA device, recurrent elsewhere; "
-          "docs/gdn-modes.md"),
+    _Spec("gdn_mode", "auto", ("auto", "recurrent", "chunk"),
+          "GDN arithmetic: the recurrence or 64-row blocks (chunk); auto: "
+          f"{GDN_MODE_AUTO_CUDA} where the process has a CUDA device, recurrent elsewhere; docs/gdn-modes.md"),
     _Spec("cuda_ops", "vllm_bi", ("vllm_bi", "vllm"),
           "CUDA kernels: the trainer's op library, or vLLM's own batch-invariant ones (serving only, no parity)"),
     _Spec("gemm", "auto", ("auto", "fp64", "triton"),
@@ -136,6 +135,9 @@ _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "g
           "logprobs": "log-softmax op"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
+# retired values: refused with why and what to use instead
+_RETIRED = {"gdn_mode": {"hybrid": "is no longer a mode (retired: it served at the recurrent mode's speed and was "
+                                   "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"}}
 
 
 def _parse(spec: _Spec, raw: str, origin: str):
@@ -151,6 +153,8 @@ def _parse(spec: _Spec, raw: str, origin: str):
         return TUNE if spec.name == "gemm_configs" and value.lower() == TUNE else value
     value = value.lower()
     value = _ALIASES.get(spec.name, {}).get(value, value)
+    if value in _RETIRED.get(spec.name, {}):
+        raise UsageError(f"{origin}={raw!r} {_RETIRED[spec.name][value]}")
     if value not in spec.choices:
         raise UsageError(f"{origin}={raw!r} is not a setting; use one of {', '.join(spec.choices)} "
                          f"(default {spec.default})")
@@ -162,7 +166,7 @@ class Settings:
     """One process's vllm_bi settings (validated; see the module doc)."""
 
     preset: str = DEFAULT_PRESET
-    gdn_mode: str = "auto"  # resolved at construction: the value is always recurrent, chunk or hybrid
+    gdn_mode: str = "auto"  # resolved at construction: the value is always recurrent or chunk
     cuda_ops: str = "vllm_bi"
     gemm: str = "auto"
     gemm_configs: str = "auto"

@@ -13,9 +13,8 @@ the prompt, ``[{"role": "model" | "tool", "text": str, "ids": list[int]}, ...]``
 changing it changes nothing). It returns the tool's output (text, or token ids) or None to end the trajectory,
 which also ends after ``max_turns`` model turns. The reward function then sees the turns in ``example["turns"]``.
 
-The GDN modes whose arithmetic does not depend on where a request's prompt ends (recurrent, chunk) give the model's
-tokens of every turn the trainer's bits; the hybrid mode switches at each request's prompt length, so a later turn
-would run other arithmetic than the trainer's single forward: multi-turn rollouts refuse it.
+The GDN modes' arithmetic (recurrent, chunk) does not depend on where a request's prompt ends, so the model's tokens
+of every turn get the trainer's bits from its single forward over the trajectory.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["Trajectory", "rollout_trajectories", "turn_seed", "refuse_hybrid"]
+__all__ = ["Trajectory", "rollout_trajectories", "turn_seed"]
 
 
 @dataclass
@@ -109,10 +108,3 @@ def _tool_ids(reply, tokenizer, name: str) -> list[int]:
         raise UsageError(f"environment {name} returned an empty tool output; return None to end the trajectory")
     return ids
 
-
-def refuse_hybrid(gdn_mode: str) -> None:
-    """Multi-turn rollouts under ``VLLM_BI_GDN_MODE=hybrid``: refused (see the module's docstring)."""
-    if gdn_mode == "hybrid":
-        raise UsageError("multi-turn rollouts need a GDN arithmetic that does not depend on where a request's prompt "
-                         "ends, and VLLM_BI_GDN_MODE=hybrid switches there (each turn is a new request); use "
-                         "VLLM_BI_GDN_MODE=recurrent or chunk for the server and the trainer")

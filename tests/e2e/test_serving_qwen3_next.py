@@ -90,11 +90,11 @@ def test_p4_negative_control_stock_gemm_in_trainer_differs(runs, tiny_model_path
     import torch.nn.functional as F
     from parity_suite import _unique_completions
 
-    import vllm_bi.models.qwen_gdn as hybrid
+    import vllm_bi.models.qwen_gdn as qwen_gdn
     from vllm_bi.parity import trainer_logprobs
 
-    monkeypatch.setattr(hybrid, "bi_linear", lambda x, w, b=None, out_dtype=None: F.linear(x, w, b))
-    model = hybrid.QwenGDNForCausalLM.from_pretrained(tiny_model_path(FAMILY))
+    monkeypatch.setattr(qwen_gdn, "bi_linear", lambda x, w, b=None, out_dtype=None: F.linear(x, w, b))
+    model = qwen_gdn.QwenGDNForCausalLM.from_pretrained(tiny_model_path(FAMILY))
     comps = _unique_completions(runs["bi_small"])[:4]
     got = trainer_logprobs(model, comps)
     assert any(a != b for c, mine in zip(comps, got) for a, b in zip(mine, c.logprobs))

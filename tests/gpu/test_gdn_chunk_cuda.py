@@ -108,37 +108,6 @@ def test_matches_float64_reference_and_gradients():
     assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
 
 
-def _hybrid(prompt_len, start=0):
-    """``fn`` for :func:`gdn_run`: the hybrid arithmetic for sequences whose rows start at absolute ``start``."""
-    from vllm_bi.gdn.chunk import gdn_hybrid_varlen, hybrid_chunk_rows
-
-    def fn(q, k, v, g, beta, states, cu):
-        rows = [hybrid_chunk_rows(prompt_len, start, cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]
-        return gdn_hybrid_varlen(q, k, v, g, beta, states, cu, rows)
-
-    return fn
-
-
-def test_hybrid_server_steps_equal_the_trainer_call():
-    """VLLM_BI_GDN_MODE=hybrid on CUDA (fla-core's chunked launch up to the prompt's last boundary, its fused
-    recurrent launch after): a 150-token prompt (switch at 128) and 50 decodes, served in steps (resumed at a
-    boundary, the switch inside a step, one-token decodes from the full state) == the trainer's one call;
-    the same bits packed with other sequences."""
-    P, L = 150, 200
-    s = _seq(L, 21)
-    whole, final, _ = gdn_run(_hybrid(P), [s])
-    o1, st, _ = gdn_run(_hybrid(P), [_rows(s, 0, 100)])
-    assert torch.equal(o1, whole[:100])
-    o2, st, _ = gdn_run(_hybrid(P, 64), [_rows(s, 64, P)], states=st)
-    assert torch.equal(o2[100 - 64 :], whole[100:P])
-    for t in range(P, L):
-        o_t, st, _ = gdn_run(_hybrid(P, t), [_rows(s, t, t + 1)], states=st)
-        assert torch.equal(o_t, whole[t : t + 1]), f"decode at {t}"
-    assert torch.equal(st, final)
-    packed, _, cu = gdn_run(_hybrid(P), [_seq(90, 22), s, _seq(150, 23)])
-    assert torch.equal(packed[cu[1] : cu[2]], whole)
-
-
 def test_chunk_forward_keeps_its_graph_with_the_no_grad_bits():
     """The trainer's chunk-mode forward (``FLAGatedDeltaRule`` kind "chunk") runs under autograd and keeps
     fla-core's graph, so the backward does not recompute it: its outputs equal the no-gradient call's (the
@@ -168,41 +137,6 @@ def test_chunk_forward_keeps_its_graph_with_the_no_grad_bits():
     got = torch.autograd.grad([o, ht], leaves, [do, dht])
     for name, a, b in zip("q k v g beta h0".split(), got, want):
         assert torch.equal(a, b), f"d/d{name}"
-
-
-def test_hybrid_output_gradients_take_one_pass_and_match_float64():
-    """The hybrid trainer's backward (``gdn_chunk._HybridOnePass``: one fla-core chunked pass over each whole
-    sequence when only the output carries a gradient): the forward's bits are the no-gradient call's, and the
-    gradients of two packed sequences, each switching arithmetic, are within 3e-2 (relative L2 norm) of float64
-    autograd through the plain recurrence."""
-    from vllm_bi.gdn.chunk import gdn_hybrid_varlen
-
-    lens, splits = [200, 90], [128, 64]
-    seqs = [_seq(L, 30 + j) for j, L in enumerate(lens)]
-    cu = [0, lens[0], sum(lens)]
-    s0 = torch.randn(2, HV, V, K, generator=torch.Generator().manual_seed(31)) * 0.1
-    packed = [torch.cat([s[i] for s in seqs]) for i in range(5)]
-    leaves = [t.to(DEV).float().requires_grad_(True) for t in packed]
-    s0d = s0.to(DEV).requires_grad_(True)
-    g, beta = gdn_gating(A_LOG.to(DEV), leaves[3], leaves[4], DT_BIAS.to(DEV))
-    qkv = [t.bfloat16() for t in leaves[:3]]
-    o, _ = gdn_hybrid_varlen(*qkv, g, beta, s0d, cu, splits)
-    with torch.no_grad():
-        o_ng, _ = gdn_hybrid_varlen(*(t.detach() for t in (*qkv, g, beta)), s0d.detach(), cu, splits)
-    assert torch.equal(o, o_ng)
-    w = torch.randn(o.shape)
-    (o.float() * w.to(DEV)).sum().backward()
-    for j, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
-        ref = [t[lo:hi].detach().double().requires_grad_(True) for t in packed]
-        s_ref = s0[j].detach().double().requires_grad_(True)
-        o_ref, _ = naive_gdn(*ref[:3], A_LOG, ref[3], ref[4], DT_BIAS, s_ref)
-        torch.testing.assert_close(o[lo:hi].double().cpu(), o_ref, rtol=0, atol=3e-2)
-        (o_ref * w[lo:hi].double()).sum().backward()
-        for name, mine, r in zip("q k v a b".split(), leaves, ref):
-            rel = ((mine.grad[lo:hi].double().cpu() - r.grad).norm() / r.grad.norm()).item()
-            assert rel <= 3e-2, f"sequence {j} d/d{name}: relative error {rel:.3e}"
-        rel = ((s0d.grad[j].double().cpu() - s_ref.grad).norm() / s_ref.grad.norm()).item()
-        assert rel <= 3e-2, f"sequence {j} d/dstate: relative error {rel:.3e}"
 
 
 def _blocks_in_slots(lens, seed, pool_seed):

@@ -215,3 +215,18 @@ def test_a_run_under_the_torch_logprobs_resumed_under_the_triton_ones_is_refused
     msg = str(e.value)
     assert "\n" not in msg and "VLLM_BI_LOGPROBS=torch" in msg and "--resume false" in msg
     check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_LOGPROBS": "torch"}).arithmetic("cuda"))
+
+
+def test_a_run_checkpointed_in_the_retired_hybrid_mode_is_refused_with_the_fix(tmp_path):
+    """A run checkpointed under ``VLLM_BI_GDN_MODE=hybrid`` (a retired mode) and resumed now: refused in one line
+    that names the retirement, the version that made it and a fresh start (not "set VLLM_BI_GDN_MODE as the run
+    had it", which the settings would refuse)."""
+    from vllm_bi.settings import Settings
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    now = Settings.from_env({}).arithmetic("cpu")
+    with pytest.raises(TrainerError) as e:
+        check_resume_settings(str(tmp_path), dict(now, gdn_mode="hybrid"), now)
+    msg = str(e.value)
+    assert "\n" not in msg and "hybrid GDN mode" in msg and "retired" in msg and "--resume false" in msg
+    assert "as the run had it" not in msg

@@ -129,7 +129,7 @@ def test_a_recipe_settings_section_is_checked_and_applied_below_the_environment(
 
 @pytest.mark.parametrize("section, match", [
     ('gdn_mod = "chunk"', r"\[settings\]: unknown settings gdn_mod; known: preset, gdn_mode"),
-    ('gdn_mode = "fast"', r"\[settings\]: gdn_mode='fast' is not a setting; use one of auto, recurrent, chunk, hybrid"),
+    ('gdn_mode = "fast"', r"\[settings\]: gdn_mode='fast' is not a setting; use one of auto, recurrent, chunk"),
 ])
 def test_a_bad_settings_section_is_one_line(tmp_path, section, match):
     recipe = tmp_path / "r.toml"

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from vllm_bi.errors import UsageError
 from vllm_bi.trainer.multiturn import get_env, tool_digits_env
-from vllm_bi.trajectories import refuse_hybrid, rollout_trajectories, turn_seed
+from vllm_bi.trajectories import rollout_trajectories, turn_seed
 from vllm_bi.trainer.rewards import get_reward
 from vllm_bi.trainer.rollout import Sample
 
@@ -110,13 +110,6 @@ def test_env_specs_and_the_builtin_task():
     assert reward("p", "", {"turns": [m("12"), tool, m("ab"), tool, m("1a")]}) == pytest.approx((1 + 0 + 0.5) / 3)
     with pytest.raises(KeyError):
         reward("p", "12", {})
-
-
-def test_the_hybrid_mode_is_refused():
-    with pytest.raises(UsageError, match="VLLM_BI_GDN_MODE=hybrid switches there"):
-        refuse_hybrid("hybrid")
-    refuse_hybrid("recurrent")
-    refuse_hybrid("chunk")
 
 
 def test_the_trainer_scores_the_model_tokens_of_one_forward(tiny_model_path):

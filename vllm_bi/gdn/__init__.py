@@ -3,8 +3,7 @@
 - :mod:`~vllm_bi.gdn.naive` — the float64-friendly per-token reference the kernels are tested against;
 - :mod:`~vllm_bi.gdn.recurrent` — the recurrent mode: token by token, fp32 state (torch on CPU, fla-core's
   fused recurrent kernel on CUDA);
-- :mod:`~vllm_bi.gdn.chunk` — the chunk-aligned mode (64-token blocks at absolute positions) and the hybrid mode
-  (chunk arithmetic up to a prompt's last block boundary, the recurrence after);
+- :mod:`~vllm_bi.gdn.chunk` — the chunk-aligned mode (64-token blocks at absolute positions);
 - :mod:`~vllm_bi.gdn.slots`, :mod:`~vllm_bi.gdn.chunk_decode` — the server's CUDA steps that read and write
   states in vLLM's cache slots (recurrent and chunk mode);
 - :mod:`~vllm_bi.gdn.layer` — the layer's core around them (causal conv, q/k/v split, gating) and the one public

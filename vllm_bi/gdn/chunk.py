@@ -43,23 +43,21 @@ from __future__ import annotations
 
 import torch
 
-from vllm_bi.gdn.recurrent import FLAGatedDeltaRule, gdn_recurrent_varlen, heads_qk
+from vllm_bi.gdn.recurrent import FLAGatedDeltaRule, heads_qk
 from vllm_bi.ops.device import index_on, rows_of
 from vllm_bi.ops import pointwise
 from vllm_bi.ops.linear import bi_bmm
 from vllm_bi.settings import current
 from vllm_bi.ops.reduce import row_sum
 
-__all__ = ["CHUNK", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "gdn_hybrid_varlen",
-           "hybrid_chunk_rows", "hybrid_switch", "pin_fla_chunk_configs"]
+__all__ = ["CHUNK", "gdn_mode", "gdn_chunk_aligned", "gdn_chunk_varlen", "pin_fla_chunk_configs"]
 
 CHUNK = 64
 
 
 def gdn_mode() -> str:
-    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default), ``chunk`` or ``hybrid`` (a prompt's whole blocks in the
-    chunk arithmetic, the rest in the recurrence: :func:`gdn_hybrid_varlen`). The server and the trainer must
-    run the same mode (:mod:`vllm_bi.settings`)."""
+    """``VLLM_BI_GDN_MODE``: ``recurrent`` (default) or ``chunk``. The server and the trainer must run the same
+    mode (:mod:`vllm_bi.settings`)."""
     return current().gdn_mode
 
 
@@ -227,133 +225,6 @@ def _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale):
     if o is None:
         o = torch.zeros((1, *v.shape), dtype=v.dtype, device=dev)
     return o[0], bound.transpose(-1, -2)
-
-
-def hybrid_switch(prompt_len):
-    """The hybrid arithmetic's switch point ``B = CHUNK * (prompt_len // CHUNK)``, the prompt's last block
-    boundary (an int, or elementwise for an array of prompt lengths): a token at absolute position ``p`` runs in
-    the chunk arithmetic iff ``p < B``; the prompt's tail and every generated token run the recurrence from the
-    exact fp32 state at ``B``."""
-    return prompt_len // CHUNK * CHUNK
-
-
-def hybrid_chunk_rows(prompt_len: int, start: int = 0, rows: int | None = None) -> int:
-    """How many of the ``rows`` rows (default: all) from absolute position ``start`` (a block boundary, or
-    :func:`hybrid_switch` and beyond) run in the chunk arithmetic (``gdn_hybrid_varlen``)."""
-    n = max(0, hybrid_switch(prompt_len) - start)
-    return n if rows is None else min(n, rows)
-
-
-def gdn_hybrid_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    states: torch.Tensor,
-    cu_seqlens: list[int],
-    chunk_rows: list[int],
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed sequences whose first ``chunk_rows[j]`` rows run in the chunk-aligned arithmetic
-    (:func:`gdn_chunk_varlen`, from the boundary state ``states[j]``) and the rest in the recurrence
-    (:func:`~vllm_bi.gdn.recurrent.gdn_recurrent_varlen`), from the state the chunk rows end in.
-
-    A sequence with recurrent rows must have whole blocks of chunk rows (``chunk_rows[j] % CHUNK == 0``): the
-    recurrence then starts from a boundary state, which the chunk arithmetic gives exactly. Returns
-    ``(o [T, HV, V], states [N, HV, V, K] fp32)``: a sequence's state after its last row when it has
-    recurrent rows or ends on a boundary, else its last boundary state (what the chunk mode keeps). ``o`` is fp32
-    on CPU and ``v.dtype`` on CUDA, as both arithmetics give it. Every output row is the one its arithmetic
-    gives alone, so a token's bits do not depend on where the other sequences switch. Differentiable."""
-    cu = [int(x) for x in cu_seqlens]
-    n = len(cu) - 1
-    lens = [cu[j + 1] - cu[j] for j in range(n)]
-    if len(chunk_rows) != n:
-        raise ValueError(f"gdn_hybrid_varlen: {len(chunk_rows)} chunk_rows for {n} sequences")
-    for j, (c, L) in enumerate(zip(chunk_rows, lens)):
-        if not 0 <= c <= L or (c < L and c % CHUNK):
-            raise ValueError(f"gdn_hybrid_varlen: sequence {j} has {L} rows and chunk_rows {c}: it must lie in "
-                             f"[0, {L}] and, with recurrent rows after it, be a multiple of {CHUNK}")
-    whole = all(lens)  # no empty sequence (an empty one keeps its state: the general path below)
-    if whole and all(c == L for c, L in zip(chunk_rows, lens)):  # every row chunked (whole prompts): no gather, no scatter
-        return gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)
-    if whole and not any(chunk_rows):  # every row recurrent (generated tokens)
-        return gdn_recurrent_varlen(q, k, v, g, beta, states, cu, scale)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, states)):
-        return _HybridOnePass.apply(q, k, v, g, beta, states, cu, chunk_rows, scale)
-    return _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale)
-
-
-def _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale):
-    """:func:`gdn_hybrid_varlen`'s general path: the chunk rows of every sequence in one call, the recurrent
-    rows in another, each output row copied to its place."""
-    n = len(cu) - 1
-    lens = [cu[j + 1] - cu[j] for j in range(n)]
-    dev = q.device
-    T = v.shape[0]
-    mid = states
-    parts = []  # (packed row indices, their outputs)
-    cseq = [j for j in range(n) if chunk_rows[j]]
-    if cseq:
-        rows, ccu = _packed([(cu[j], cu[j] + chunk_rows[j]) for j in cseq], dev)
-        o_c, bounds = gdn_chunk_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], states[cseq], ccu, scale)
-        mid = states.index_copy(0, index_on(cseq, dev), bounds)
-        parts.append((rows, o_c))
-    rseq = [j for j in range(n) if chunk_rows[j] < lens[j]]
-    finals = mid
-    if rseq:
-        rows, rcu = _packed([(cu[j] + chunk_rows[j], cu[j + 1]) for j in rseq], dev)
-        o_r, ends = gdn_recurrent_varlen(q[rows], k[rows], v[rows], g[rows], beta[rows], mid[rseq], rcu, scale)
-        finals = mid.index_copy(0, index_on(rseq, dev), ends)
-        parts.append((rows, o_r))
-    # both arithmetics give o in one dtype (fp32 on CPU, v.dtype on CUDA), so rows are copied as they are
-    dtype = parts[0][1].dtype if parts else (v.dtype if v.is_cuda else torch.float32)  # no parts: empty sequences
-    o = torch.zeros((T, *v.shape[1:]), dtype=dtype, device=dev)
-    for rows, o_part in parts:
-        o.index_copy_(0, rows, o_part)
-    return o, finals
-
-
-class _HybridOnePass(torch.autograd.Function):
-    """:func:`_hybrid_mixed` (the bits) with one backward pass over whole sequences.
-
-    The forward runs without autograd. When only the output carries a gradient (the trainer, which drops the
-    states), the backward differentiates the chunked form over every row of each sequence from its input state:
-    the same function of the inputs (other rounding), so the same gradient up to fp32 error, in one chunked
-    launch and its backward (CUDA: fla-core's) instead of one backward per arithmetic plus the recurrent rows'
-    recompute and the row gathers' scatters. A gradient through the returned states differentiates
-    :func:`_hybrid_mixed` itself (its states are each arithmetic's own)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, states, cu, chunk_rows, scale):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, g, beta, states)
-        ctx.cu, ctx.chunk_rows, ctx.scale = cu, chunk_rows, scale
-        return _hybrid_mixed(q, k, v, g, beta, states, cu, chunk_rows, scale)
-
-    @staticmethod
-    def backward(ctx, do, dstates):
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]
-            if dstates is None:
-                outs, grads = [_whole_sequences_grad_path(*leaves, ctx.cu, ctx.scale)], [do]
-            else:
-                o, finals = _hybrid_mixed(*leaves, ctx.cu, ctx.chunk_rows, ctx.scale)
-                outs, grads = [o, finals], [torch.zeros_like(o) if do is None else do, dstates]
-            d = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-        return (*d, None, None, None)
-
-
-def _whole_sequences_grad_path(q, k, v, g, beta, states, cu, scale):
-    """The gated delta rule's output over every row of each packed sequence from ``states``, differentiable, in
-    the chunked form: for gradients only (its bits are not any mode's). CUDA: one fla-core chunked launch
-    (its backward is fla-core's); CPU: :func:`gdn_chunk_varlen`."""
-    if not q.is_cuda:
-        return gdn_chunk_varlen(q, k, v, g, beta, states, cu, scale)[0]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, _ = FLAGatedDeltaRule.apply("chunk", *(t.unsqueeze(0) for t in (q, k, v, g.float(), beta)),
-                                   states.transpose(-1, -2).contiguous(), index_on(cu, q.device), scale)
-    return o[0]
 
 
 # fla-core 0.6.0 kernels of the chunked forward and the config each is pinned to (fields that must match

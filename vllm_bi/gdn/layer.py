@@ -1,5 +1,5 @@
 """The GDN layer's core for a packed batch: the short causal conv, the q/k/v split, the gating, then one of the
-three recurrences (recurrent, chunk-aligned, hybrid), chosen by ``mode``.
+two recurrences (recurrent, chunk-aligned), chosen by ``mode``.
 
 :func:`gdn_varlen` is the one public entry the server's glue (``model_executor/gdn.py``) and the trainer's model
 (``models/qwen_gdn.py``) both call; :func:`gdn_sequence` is its one-sequence definition (``tests/ops/test_gdn_varlen.py``
@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from vllm_bi.gdn.chunk import gdn_chunk_varlen, gdn_hybrid_varlen
+from vllm_bi.gdn.chunk import gdn_chunk_varlen
 from vllm_bi.gdn.chunk_decode import chunk_in_slots, padded_blocks_in_slots
 from vllm_bi.gdn.recurrent import gdn_gating, gdn_recurrent, gdn_recurrent_varlen, kda_gating
 from vllm_bi.gdn.slots import recurrent_in_slots
@@ -22,7 +22,7 @@ from vllm_bi.ops.device import host_to, index_on, kept, rows_of
 __all__ = ["causal_conv1d", "causal_conv1d_varlen", "gdn_sequence", "gdn_varlen", "RingRows", "MODES", "GATINGS",
            "gates"]
 
-MODES = ("recurrent", "chunk", "hybrid")
+MODES = ("recurrent", "chunk")
 # the gate of the recurrence: GDN's decay per head (Qwen3-Next, Qwen3.5), or Kimi Delta Attention's per key channel
 GATINGS = ("gdn", "kda")
 
@@ -220,7 +220,6 @@ def gdn_varlen(
     activation: str | None = "silu",
     mode: str = "recurrent",
     packed: bool = False,
-    chunk_rows: list[int] | None = None,
     slots: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     lens: torch.Tensor | None = None,
@@ -231,9 +230,7 @@ def gdn_varlen(
 
     ``mode="chunk"``: the recurrence is :func:`vllm_bi.gdn.chunk.gdn_chunk_varlen` instead
     (each sequence's first row must sit at a block boundary and ``states`` are the boundary states);
-    the returned states are then the states at each sequence's last boundary. ``mode="hybrid"``: each
-    sequence's first ``chunk_rows[j]`` rows run in the chunk arithmetic and the rest in the recurrence
-    (:func:`vllm_bi.gdn.chunk.gdn_hybrid_varlen`, which says which state comes back).
+    the returned states are then the states at each sequence's last boundary.
 
     Sequence ``j`` owns rows ``ranges[j] = (s, e)`` of ``mixed_qkv``, ``a`` and ``b``;
     ``conv_states [N, W-1, D]`` and fp32 ``states [N, HV, V, K]`` are where each one starts
@@ -310,14 +307,8 @@ def gdn_varlen(
         core = gdn_chunk_varlen
     elif mode == "recurrent":
         core = gdn_recurrent_varlen
-    elif mode == "hybrid":
-        if chunk_rows is None:
-            raise ValueError("GDN mode 'hybrid' needs chunk_rows (each sequence's rows in the chunk arithmetic)")
-
-        def core(q, k, v, g, beta, states, cu):
-            return gdn_hybrid_varlen(q, k, v, g, beta, states, cu, chunk_rows)
     else:
-        raise ValueError(f"GDN mode {mode!r}: choose 'recurrent', 'chunk' or 'hybrid'")
+        raise ValueError(f"GDN mode {mode!r}: choose 'recurrent' or 'chunk'")
     if not states.is_cuda:
         # the torch cores' matmuls pick their kernels (and so their bits) by the state's strides: one
         # layout, whatever memory the caller's states sit in (CUDA's fla-core path makes its own copy)

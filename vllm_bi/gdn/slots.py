@@ -1,6 +1,6 @@
 """The server's recurrent GDN step on CUDA with the states read from, and written back to, their cache slots.
 
-The recurrent mode (and the hybrid mode's decode steps) used to gather every scheduled request's fp32 state
+The recurrent mode used to gather every scheduled request's fp32 state
 out of vLLM's state cache, run fla-core's fused recurrent kernel on the copy, and store the final states back:
 three passes over the states where the kernel needs one. At Qwen3.5-9B dimensions a 256-request decode moves
 537 MB per pass, and the GPU time of a decode step per layer was 1.18 ms against stock vLLM's 0.75 ms

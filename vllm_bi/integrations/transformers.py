@@ -131,7 +131,7 @@ def is_adapted(model) -> bool:
 
 def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                    position_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                   prompt_lens: list[int] | None = None, entropy: bool = False):
+                   entropy: bool = False):
     """``[B, L - 1]`` fp32, differentiable: at ``[b, t]`` the adapted ``model``'s logprob of ``input_ids[b, t + 1]``
     given its sequence's tokens up to ``t``, through the server's logprob op (what the server reports for that
     token); 0.0 where ``t + 1`` is padding or starts another packed sequence. Batch forms as for the model's call
@@ -140,8 +140,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     ``temperature``: the server's default ``--logprobs-mode raw_logprobs`` reports logprobs before temperature,
     whatever a request's temperature: keep 1.0 for it. A server started with ``--logprobs-mode processed_logprobs``
     reports them after vLLM's division of the fp32 logits by the request's temperature: pass that temperature (top-k,
-    top-p and penalties are not applied here). ``prompt_lens``: each sequence's prompt length, for
-    ``VLLM_BI_GDN_MODE=hybrid`` (its arithmetic switches at the prompt's last block boundary).
+    top-p and penalties are not applied here).
 
     ``entropy``: also return, from the same forward, ``[B, L - 1]`` fp32 without gradient: at ``[b, t]`` the entropy
     of the next-token distribution at ``t`` (after ``temperature``; 0.0 where the logprob is), for logging and
@@ -149,7 +148,7 @@ def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor 
     if not is_adapted(model):
         raise UsageError("token_logprobs: the model is not adapted; call "
                          "vllm_bi.integrations.transformers.apply(model) first")
-    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids, prompt_lens=prompt_lens,
+    return model(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                  **{_TEMPERATURE: float(temperature), _ENTROPY: bool(entropy)})
 
 
@@ -270,10 +269,10 @@ def _gdn_forward(c):
     names = ("in_proj_qkvz", "in_proj_ba") if c.interleaved_gdn else ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                        "in_proj_a")
 
-    def forward(self, x, cu, prompt_lens=None):
+    def forward(self, x, cu):
         projections = tuple(getattr(self, n).weight for n in names)
         return gdn_block(c, x, cu, projections, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
-                         self.out_proj.weight, prompt_lens)
+                         self.out_proj.weight)
     return forward
 
 
@@ -289,10 +288,10 @@ def _moe_forward(c):
     return forward
 
 
-def _layer_forward(self, h, residual, positions, cu, prompt_lens=None):
+def _layer_forward(self, h, residual, positions, cu):
     if hasattr(self, "linear_attn"):
         def mixer(x):
-            return self.linear_attn(x, cu, prompt_lens)
+            return self.linear_attn(x, cu)
     else:
         def mixer(x):
             return self.self_attn(x, positions, cu)
@@ -314,14 +313,12 @@ def _refuse_call(model, past_key_values, inputs_embeds, kwargs) -> None:
 
 
 def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                   inputs_embeds=None, use_cache=None, prompt_lens=None, _vllm_bi_batch=None, **kwargs):
+                   inputs_embeds=None, use_cache=None, _vllm_bi_batch=None, **kwargs):
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     _refuse_call(self, past_key_values, inputs_embeds, kwargs)
     batch = _vllm_bi_batch or unpad(input_ids, attention_mask, position_ids)
-    if prompt_lens is not None and len(prompt_lens) != len(batch.cu_seqlens) - 1:
-        raise UsageError(f"prompt_lens: {len(prompt_lens)} lengths for {len(batch.cu_seqlens) - 1} sequences")
-    h = decoder_stack(self.embed_tokens(batch.input_ids), self.layers, self.norm, batch.cu_seqlens, prompt_lens)
+    h = decoder_stack(self.embed_tokens(batch.input_ids), self.layers, self.norm, batch.cu_seqlens)
     return BaseModelOutputWithPast(last_hidden_state=batch.pad(h))
 
 
@@ -335,14 +332,14 @@ def _kept_columns(logits_to_keep, L: int, device) -> torch.Tensor:
 
 
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, prompt_lens=None, **kwargs):
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     temperature = kwargs.pop(_TEMPERATURE, None)
     entropy = kwargs.pop(_ENTROPY, False)
     _refuse_call(self, past_key_values, inputs_embeds, kwargs)
     batch = unpad(input_ids, attention_mask, position_ids)
-    hidden = self.model(input_ids, prompt_lens=prompt_lens, _vllm_bi_batch=batch).last_hidden_state
+    hidden = self.model(input_ids, _vllm_bi_batch=batch).last_hidden_state
     B, L = batch.shape
     h_T = hidden.reshape(B * L, -1)[batch.index]
     if temperature is not None:  # token_logprobs: every row through the head, the server's logprob op

@@ -179,12 +179,10 @@ def _build():
             if not is_adapted(model):
                 raise UsageError("BIGRPOTrainer: the model was replaced after the trainer adapted it")
             batch_size = batch_size or input_ids.size(0)
-            P = input_ids.size(1) - logits_to_keep
             logps, entropies = [], []
             for s in range(0, input_ids.size(0), batch_size):  # rows scored alone or together: the same bits
                 ids, mask = input_ids[s : s + batch_size], attention_mask[s : s + batch_size]
-                lp, ent = token_logprobs(model, ids, mask, temperature=self.temperature,
-                                         prompt_lens=mask[:, :P].sum(1).tolist(), entropy=True)
+                lp, ent = token_logprobs(model, ids, mask, temperature=self.temperature, entropy=True)
                 logps.append(lp[:, -logits_to_keep:])
                 entropies.append(ent[:, -logits_to_keep:])
             return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import torch
 
-from vllm_bi.gdn.chunk import CHUNK, gdn_mode, hybrid_chunk_rows
+from vllm_bi.gdn.chunk import CHUNK, gdn_mode
 from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, rows_of, step_cached
 
@@ -35,16 +35,9 @@ except ImportError:
     _GDNBuilderBase = object
 
 
-# The model runner's per-request prompt lengths (its input batch's CPU tensor, rows in the step's request order),
-# set by the runner patch (``patch.gdn_backend.wrap_build_attention_metadata``) before it builds a step's metadata.
-STEP_PROMPT_LENS: torch.Tensor | None = None
-
-
 class BIGDNMetadataBuilder(_GDNBuilderBase):
     """vLLM's GDN metadata, plus each request's number of already computed tokens (``vllm_bi_num_computed``,
-    on the device): the chunk-aligned mode needs the absolute position of a request's first new token; and,
-    for the hybrid mode, each request's prompt length (``vllm_bi_prompt_lens``, host), where its arithmetic
-    switches."""
+    on the device): the chunk-aligned mode needs the absolute position of a request's first new token."""
 
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
@@ -60,12 +53,6 @@ class BIGDNMetadataBuilder(_GDNBuilderBase):
             buf[: md.num_decodes].copy_(computed[: md.num_decodes], non_blocking=True)
             computed = buf[: max(md.num_decodes, common_attn_metadata.num_reqs)]
         md.vllm_bi_num_computed = computed
-        if gdn_mode() == "hybrid":
-            if STEP_PROMPT_LENS is None:
-                raise RuntimeError("vllm_bi: VLLM_BI_GDN_MODE=hybrid needs each request's prompt length, and this "
-                                   "vLLM model runner did not give it (vllm_bi patches GPUModelRunner's "
-                                   "_build_attention_metadata); use VLLM_BI_GDN_MODE=chunk or recurrent")
-            md.vllm_bi_prompt_lens = STEP_PROMPT_LENS[: common_attn_metadata.num_reqs].tolist()
         return md
 
 
@@ -184,10 +171,7 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if plan.padded:
         _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first)
         return
-    if mode == "hybrid" and plan.chunk_rows is None:  # every request past its prompt's last boundary
-        _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
-        return
-    if mode in ("chunk", "hybrid"):
+    if mode == "chunk":
         if debug_nonfinite():
             _check_finite(layer, "input", plan, mixed_qkv, a, b, ssm_cache)
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
@@ -247,24 +231,12 @@ class StepPlan:
     (device), ``fresh`` (device indices of the new requests, whose states start from zeros; None if none) and,
     for the chunk mode, each one's number of already computed tokens ``starts``."""
 
-    def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=(), prompts=None):
+    def __init__(self, ranges, rows, slot_t, fresh, starts, fresh_host=()):
         self.ranges, self.rows, self.slot_t, self.fresh, self.starts = ranges, rows, slot_t, fresh, starts
         self.fresh_host = list(fresh_host)  # ``fresh`` on the host
         self.padded = False  # a chunk-mode decode step planned on the device (_chunk_decode_padded; starts: device)
         self.chunk: dict = {}  # the chunk mode's indices (_chunk_index), per history width
         self._fresh_flags = None
-        # hybrid mode: per request, the cached rows it re-runs (``recompute``: its position past its last
-        # boundary while it is before its prompt's last boundary, else 0) and its rows in the chunk arithmetic
-        # counted from there (``chunk_rows``, None when no request has any); both None outside the hybrid mode
-        self.recompute = self.chunk_rows = None
-        if prompts is not None:
-            n = [e - s for s, e in ranges]
-            before = [hybrid_chunk_rows(p, st) > 0 for st, p in zip(starts, prompts)]
-            self.recompute = [st % CHUNK if b else 0 for st, b in zip(starts, before)]
-            if any(before):
-                self.chunk_rows = [hybrid_chunk_rows(p, st - r, r + k)
-                                   for p, st, r, k in zip(prompts, starts, self.recompute, n)]
-
 
     def fresh_flags(self) -> torch.Tensor | None:
         """``fresh`` as one int32 flag per sequence (nonzero: starts from zeros), built once per step and shared by
@@ -286,9 +258,7 @@ def _build_plan(md, dev) -> StepPlan | None:
     n_dec, n_pre = md.num_decodes, md.num_prefills
     mode = gdn_mode()
     if n_pre == 0 and n_dec and getattr(md, "num_decode_tokens", None) == n_dec:
-        # the hybrid mode only while a CUDA graph is captured: eagerly, a one-token prompt chunk (which vLLM
-        # counts as a decode) may need chunk rows; a replayed step has none (patch.gdn_backend.prompt_chunk_scheduled)
-        if mode == "recurrent" or (mode == "hybrid" and _capturing(dev)):
+        if mode == "recurrent":
             return _decode_plan(md, n_dec, dev)
         if mode == "chunk" and _padded_decode(dev):
             plan = _decode_plan(md, n_dec, dev)
@@ -305,14 +275,12 @@ def _build_plan(md, dev) -> StepPlan | None:
         return None
     ranges = [(qsl[i], qsl[i + 1]) for i in seqs]
     fresh = [j for j, i in enumerate(seqs) if not has_init[i]]
-    starts = prompts = None
-    if mode in ("chunk", "hybrid"):
+    starts = None
+    if mode == "chunk":
         computed = md.vllm_bi_num_computed[: n_dec + n_pre].tolist()
         starts = [computed[i] for i in seqs]
-    if mode == "hybrid":
-        prompts = [md.vllm_bi_prompt_lens[i] for i in seqs]
     return StepPlan(ranges, rows_of(ranges, dev), host_to(torch.tensor([slots[i] for i in seqs]), dev),
-                    host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh, prompts)
+                    host_to(torch.tensor(fresh), dev) if fresh else None, starts, fresh)
 
 
 def _decode_plan(md, n: int, dev) -> StepPlan:
@@ -324,10 +292,6 @@ def _decode_plan(md, n: int, dev) -> StepPlan:
     ranges = _decode_ranges(n)
     slot_t = md.non_spec_state_indices_tensor[:n].long().clamp(min=0)  # out of place: the tensor is vLLM's
     return StepPlan(ranges, rows_of(ranges, dev), slot_t, None, None)
-
-
-def _capturing(dev) -> bool:
-    return torch.device(dev).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 @lru_cache(maxsize=64)
@@ -388,32 +352,29 @@ def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor,
 
 
 def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
-    """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``) and the hybrid mode's steps with chunk rows. Each state
+    """The chunk-aligned mode (``VLLM_BI_GDN_MODE=chunk``). Each state
     slot holds the fp32 state at the request's last block boundary (``ssm_cache``) and, in the widened conv cache
     (``R = CHUNK + W - 1`` rows of ``[mixed_qkv | a | b]``, :func:`history_rows`), the raw inputs of its last ``R``
     tokens, which hold the partial block since that boundary and the conv state before it. A request whose first new token
     sits at absolute position ``p`` re-runs the ``p % CHUNK`` cached tokens after its boundary with the new ones
     (``gdn_varlen(mode="chunk")``, the trainer's call); the recomputed rows are dropped.
 
-    The history's layout (:func:`_chunk_index`): the chunk mode keeps it as a ring, the token at absolute position
+    The history's layout (:func:`_chunk_index`) is a ring, the token at absolute position
     ``p`` in row ``p % R``, so a step reads only the rows it needs and writes only its new rows (a decode step
     writes one row per request, where a shifted history would be moved whole: 279 MB per layer at 256 requests
     of Qwen3.5-9B). When every request's rows from ``W - 1`` before its block to its last new one fit in the ring
     at once (every decode step: ``63 + W - 1 + 1 = R``), the new rows are written first and the conv then reads
-    each block's rows in the ring (:class:`RingRows`: on CUDA one kernel, which also writes q, k, v apart). The hybrid mode keeps it shifted (its last ``W - 1`` rows are the conv state), because its
-    decode steps (:func:`_hybrid_recurrent`, CUDA graphs) read the conv state without knowing the positions.
-    On CUDA the chunk mode's boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial
-    block reads its state in place); CPU and the hybrid mode gather them and store the ones that moved."""
+    each block's rows in the ring (:class:`RingRows`: on CUDA one kernel, which also writes q, k, v apart).
+    On CUDA the boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial block reads
+    its state in place); CPU gathers them and stores the ones that moved."""
     W = weight.shape[-1]
     D, HV = mixed_qkv.shape[1], a.shape[1]
     hist_cache = conv_cache.transpose(1, 2) if dim_first else conv_cache  # [S, R, C], a view
     R, C = hist_cache.shape[1], hist_cache.shape[2]
-    hybrid = plan.chunk_rows is not None
-    ix = _chunk_index(plan, R, W, not hybrid, mixed_qkv.device)
+    ix = _chunk_index(plan, R, W, mixed_qkv.device)
     N = len(plan.ranges)
     # the raw rows [mixed_qkv | a | b] as the history stores them (a and b through mixed_qkv's dtype first)
     raw = [t.to(mixed_qkv.dtype).to(conv_cache.dtype) for t in (mixed_qkv, a, b)]
-    full = head = None  # src = [head; raw rows]: head = [a zero row; the history rows read]
     if ix.fits:  # the new rows into the ring first; then the conv reads each block's rows there
         _write_ring(hist_cache, plan, ix, raw)
         if ix.ext is None:  # the ring rows of each request's conv state and block, as RingRows takes them
@@ -424,9 +385,8 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         a_blk, b_blk, conv0 = ab[:, :HV], ab[:, HV:], None  # RingRows carries the conv rows
     else:
         cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
-        if not hybrid:  # ring: the new rows into their rows, once the rows they may overwrite are read
-            _write_ring(hist_cache, plan, ix, raw)
-        head = torch.cat([cached.new_zeros(1, C), cached])
+        _write_ring(hist_cache, plan, ix, raw)  # the new rows into the ring, once the rows they may overwrite are read
+        head = torch.cat([cached.new_zeros(1, C), cached])  # src = [head; raw rows]: [a zero row; the rows read]
         conv0 = head[ix.conv_rows, :D].reshape(N, W - 1, D)
         if ix.direct is not None:
             # every request starts at a block boundary (new prompts, resumed whole blocks): its block is its new
@@ -436,7 +396,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
             full = torch.cat([head, torch.cat(raw, dim=-1)])
             blk = full[ix.block_rows]
             qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
-    in_slots = not hybrid and kv_layout and _in_place(mixed_qkv.device)
+    in_slots = kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
     else:
@@ -444,7 +404,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     o, _, finals = gdn_varlen(
         qkv_blk, ix.ranges, weight, conv0, layer.A_log, a_blk, b_blk,
         layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
-        layer.activation, mode="hybrid" if hybrid else "chunk", packed=True, chunk_rows=plan.chunk_rows, **where,
+        layer.activation, mode="chunk", packed=True, **where,
     )
     if ix.direct is not None:  # every packed row is a new token, in the step's order
         out[: ix.direct].copy_(o)
@@ -458,9 +418,6 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
             store_slots(ssm_cache, plan.slot_t, finals, kv_layout)
         elif ix.store.numel():
             store_slots(ssm_cache, plan.slot_t[ix.store], finals[ix.store], kv_layout)
-    if hybrid:  # shifted: the whole new history
-        new_hist = full[ix.write_src] if full is not None else _take(head, raw, ix.write_src)
-        hist_cache[plan.slot_t] = new_hist.reshape(N, R, C)
 
 
 def _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first):
@@ -500,27 +457,6 @@ def _chunk_decode_padded(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cach
 @lru_cache(maxsize=64)
 def _padded_ranges(n: int) -> list[tuple[int, int]]:
     return [(CHUNK * i, CHUNK * (i + 1)) for i in range(n)]
-
-
-def _hybrid_recurrent(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout):
-    """The hybrid mode's step when every request is past its prompt's last block boundary (every decode step
-    once the prompts are in): the recurrent mode's core from each slot's full fp32 state. The conv state is the
-    last ``W - 1`` raw ``mixed_qkv`` rows of the widened history, read and written in place; the history's
-    other rows and its ``a``, ``b`` columns are read only before a request reaches that boundary, never again
-    (prefix caching is off in this mode, and a preempted request starts over), so they are left as they are.
-    A request that is new here (a prompt shorter than one block) starts from zeros."""
-    W, D = weight.shape[-1], mixed_qkv.shape[1]
-    R = conv_cache.shape[-1] if dim_first else conv_cache.shape[1]
-    tail = slice(R - (W - 1), R)
-    conv = conv_cache[plan.slot_t, :D, tail].transpose(1, 2) if dim_first else conv_cache[plan.slot_t, tail, :D]
-    if plan.fresh is not None:
-        conv[plan.fresh] = 0
-    new_conv = _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, kv_layout)
-    new_conv = new_conv.to(conv_cache.dtype)
-    if dim_first:
-        conv_cache[plan.slot_t, :D, tail] = new_conv.transpose(1, 2)
-    else:
-        conv_cache[plan.slot_t, tail, :D] = new_conv
 
 
 def is_kda(layer) -> bool:
@@ -573,28 +509,19 @@ def _write_ring(hist_cache: torch.Tensor, plan: "StepPlan", ix: "_ChunkIndex", r
     hist_cache[plan.slot_t[ix.write_req], ix.write_row] = torch.cat([t[ix.write_src] for t in raw], dim=-1)
 
 
-def _take(head: torch.Tensor, parts: list[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
-    """Rows ``idx`` of ``src = [head; cat(parts, -1)]`` (:class:`_ChunkIndex`'s row numbering) without building
-    ``src``: each part and ``head`` are gathered at ``idx`` (clamped) and the right one kept."""
-    nr = head.shape[0]
-    new = torch.cat([p[(idx - nr).clamp(min=0)] for p in parts], dim=-1)
-    return torch.where((idx >= nr)[:, None], new, head[idx.clamp(max=nr - 1)])
-
-
 class _ChunkIndex:
     """The chunk mode's gathers for one step (the same for every GDN layer). The rows a step reads from the
     histories are (``cache_req``, ``cache_row``): request index (into ``plan.slot_t``) and history row. The
     step's sources are numbered as ``src = [a zero row; those rows; the step's raw rows]``; in that numbering,
     each request's conv state before its partial block (``conv_rows``, ``W - 1`` per request), its partial
     block's cached rows then its new rows (``block_rows``; packed ``ranges``), and ``write_src``: the ring's new
-    rows (raw row numbers, written at (``write_req``, ``write_row``)) or the shifted layout's whole new histories
-    (``src`` numbering, ``R`` per request). Also the rows of the packed output that are new tokens
-    (``keep_rows``), and the requests whose boundary state must be stored (``store``: new ones and those that
+    rows (raw row numbers, written at (``write_req``, ``write_row``)). Also the rows of the packed output that are
+    new tokens (``keep_rows``), and the requests whose boundary state must be stored (``store``: new ones and those that
     reached a new block boundary; None: every request). ``direct``: when no request re-runs cached rows and the
     requests' rows are the step's first ``direct`` rows in order, that count (the block rows are then the new
     rows where they lie), else None.
 
-    ``fits`` (ring, not direct): every request's positions from ``W - 1`` before its block to its last new row fit
+    ``fits`` (not direct): every request's positions from ``W - 1`` before its block to its last new row fit
     in the ring at once (decode steps). The new rows are then written first, and the numbering is the ring's
     own: (``cache_req``, ``cache_row``) are the blocks' rows in order, and (``ext_req``, ``ext_row``) each
     request's ``W - 1`` conv-state rows then its block's rows (``-1``: before the sequence's start, a zero row),
@@ -608,25 +535,23 @@ class _ChunkIndex:
         self.__dict__.update(parts)
 
 
-def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkIndex:
+def _chunk_index(plan: "StepPlan", R: int, W: int, dev) -> _ChunkIndex:
     """Build (once per step and history shape; kept on the plan) the chunk mode's indices from the requests'
-    query ranges and absolute start positions: host work and one host-to-device copy. ``ring``: the history row
-    of absolute position ``p`` is ``p % R``; else the history is shifted (row ``R - start + p``)."""
-    key = (R, W, ring, str(dev))
+    query ranges and absolute start positions: host work and one host-to-device copy. The history row of absolute
+    position ``p`` is ``p % R`` (a ring)."""
+    key = (R, W, str(dev))
     if key in plan.chunk:
         return plan.chunk[key]
     ranges, N = plan.ranges, len(plan.ranges)
     n = torch.tensor([e - s for s, e in ranges], dtype=torch.long)
     st = torch.tensor(plan.starts, dtype=torch.long)  # absolute position of each request's first new token
-    redo = torch.tensor(plan.recompute if plan.recompute is not None else [x % CHUNK for x in plan.starts],
-                        dtype=torch.long)
+    redo = torch.tensor([x % CHUNK for x in plan.starts], dtype=torch.long)  # the partial block's cached rows
     b0 = st - redo  # its partial block's first position (a block boundary)
     s0 = torch.tensor([s for s, _ in ranges], dtype=torch.long)
     fresh = torch.zeros(N, dtype=torch.bool)
     fresh[list(plan.fresh_host)] = True
     # the history rows read: positions lo..st-1 (none for a new request); below 0 the conv state is zeros
-    first_read = b0 - (W - 1) if ring else torch.minimum(b0 - (W - 1), st + n - R)
-    lo = torch.where(fresh, st, first_read.clamp(min=0))
+    lo = torch.where(fresh, st, (b0 - (W - 1)).clamp(min=0))
     if bool((st - lo > R).any()):
         raise RuntimeError(f"vllm_bi: a request needs more than the {R} history rows it keeps (positions {lo} to {st})")
 
@@ -639,12 +564,12 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
     in_order = ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(N - 1))
     direct = ranges[-1][1] if in_order and not bool(redo.any()) else None
     # fits: the ring holds each request's W - 1 conv rows, its block's cached rows and its new ones at once
-    fits = ring and direct is None and bool((redo + (W - 1) + n <= R).all()) and not bool((fresh & (st > 0)).any())
+    fits = direct is None and bool((redo + (W - 1) + n <= R).all()) and not bool((fresh & (st > 0)).any())
     if fits:  # the rows read: the blocks' rows in order, new ones included (in the ring by then)
         cache_req, cache_pos = spans(b0, redo + n)
     else:  # positions lo..st-1
         cache_req, cache_pos = spans(lo, st - lo)
-    cache_row = cache_pos % R if ring else R - st[cache_req] + cache_pos
+    cache_row = cache_pos % R
     read_off = (st - lo).cumsum(0) - (st - lo)
     n_read = int((st - lo).sum())
 
@@ -657,10 +582,8 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
     bounds = [0, *blk_len.cumsum(0).tolist()]
     keep = redo.tolist()
     keep_rows = torch.cat([torch.arange(bounds[j] + keep[j], bounds[j + 1]) for j in range(N)])
-    # stored: new requests, those that reached a block boundary, and (hybrid) those past their prompt's last
-    # boundary, whose full state changes with every token
-    store = torch.tensor([j for j in range(N) if fresh[j] or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK
-                          or (plan.chunk_rows is not None and plan.chunk_rows[j] < keep[j] + int(n[j]))],
+    # stored: new requests and those that reached a block boundary
+    store = torch.tensor([j for j in range(N) if fresh[j] or plan.starts[j] % CHUNK + int(n[j]) >= CHUNK],
                          dtype=torch.long)
     if fits:  # each request's conv rows and block rows, in the ring (-1: before the sequence's start)
         conv_rows = block_rows = torch.arange(0)
@@ -669,13 +592,10 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
     else:
         conv_rows, block_rows = src(*spans(b0 - (W - 1), torch.full((N,), W - 1))), src(*spans(b0, blk_len))
         ext_req = ext_row = torch.arange(0)
-    if ring:  # the new tokens' raw rows, the last R of each request, into row p % R
-        kept = torch.minimum(n, torch.full((N,), R))
-        write_req, write_pos = spans(st + n - kept, kept)
-        write_row, write_src = write_pos % R, s0[write_req] + write_pos - st[write_req]
-    else:  # the whole new history: positions st + n - R .. st + n - 1
-        write_req, write_row = torch.arange(0), torch.arange(0)
-        write_src = src(*spans(st + n - R, torch.full((N,), R)))
+    # the new tokens' raw rows, the last R of each request, into row p % R
+    kept = torch.minimum(n, torch.full((N,), R))
+    write_req, write_pos = spans(st + n - kept, kept)
+    write_row, write_src = write_pos % R, s0[write_req] + write_pos - st[write_req]
     parts = dict(cache_req=cache_req, cache_row=cache_row, conv_rows=conv_rows, block_rows=block_rows,
                  keep_rows=keep_rows, store=store, write_req=write_req, write_row=write_row, write_src=write_src,
                  ext_req=ext_req, ext_row=ext_row)
@@ -689,7 +609,7 @@ def _chunk_index(plan: "StepPlan", R: int, W: int, ring: bool, dev) -> _ChunkInd
 
 
 def history_rows(conv_kernel_size: int) -> int:
-    """Rows of the chunk and hybrid modes' widened conv history: ``CHUNK + W - 1``, so that a decode's ring rows
+    """Rows of the chunk mode's widened conv history: ``CHUNK + W - 1``, so that a decode's ring rows
     (the ``W - 1`` before its block, up to 63 cached, its new one) fit at once (:func:`_chunk_index`)."""
     return CHUNK + conv_kernel_size - 1
 

@@ -369,9 +369,8 @@ class KimiLinearForCausalLM(_Params):
                 out[name] = t
         return out
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens, prompt_lens=None) -> torch.Tensor:
-        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0). ``prompt_lens`` is not read (the
-        hybrid GDN mode's argument; Kimi's KDA layers run the recurrent mode)."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
+        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0)."""
         c = self.c
         cu = [int(x) for x in cu_seqlens]
         h, residual = self.w("model.embed_tokens.weight")[input_ids], None

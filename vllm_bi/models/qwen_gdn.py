@@ -7,9 +7,8 @@ same roundings as vLLM 0.32's model code, so a token's logprob here equals the
 one the server returned, bit for bit.
 
 Input is a varlen-packed batch: ``input_ids [T]`` and ``cu_seqlens [B+1]``
-(every sequence starts at position 0), and, for ``VLLM_BI_GDN_MODE=hybrid``, each sequence's prompt length (its
-GDN arithmetic switches at the prompt's last block boundary, as the server's does). Output: bf16 logits
-``[T, vocab]``; :meth:`QwenGDNForCausalLM.token_logprobs` gives the logprob of each next token.
+(every sequence starts at position 0). Output: bf16 logits ``[T, vocab]``;
+:meth:`QwenGDNForCausalLM.token_logprobs` gives the logprob of each next token.
 
 Legend: ``T`` packed tokens, ``D`` hidden size, ``H``/``Hkv`` attention heads,
 ``Hk``/``Hv`` GDN key/value heads, ``K``/``V`` GDN head dims.
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vllm_bi.gdn.chunk import gdn_mode, hybrid_chunk_rows
+from vllm_bi.gdn.chunk import gdn_mode
 from vllm_bi.gdn.layer import gdn_varlen
 from vllm_bi.model_dir import QWEN_ARCHITECTURES, read_tensors, write_checkpoint
 from vllm_bi.ops import pointwise
@@ -216,11 +215,11 @@ def gdn_project(c: HybridConfig, x_TD, projections: tuple):
     return mixed, z, bi_linear(x_TD, in_proj_b), bi_linear(x_TD, in_proj_a)
 
 
-def gdn_block(c: HybridConfig, x_TD, cu: list[int], projections: tuple, conv1d, A_log, dt_bias, norm, out_proj,
-              prompt_lens=None) -> torch.Tensor:
+def gdn_block(c: HybridConfig, x_TD, cu: list[int], projections: tuple, conv1d, A_log, dt_bias, norm,
+              out_proj) -> torch.Tensor:
     """A Gated DeltaNet layer over packed sequences, each from fp32 zero states: ``x [T, D]`` -> ``[T, D]``.
     ``projections``: :func:`gdn_project`'s; ``conv1d [C, 1, W]``; ``A_log`` (any float dtype, used in fp32);
-    ``norm``: the gated norm's weight ``[V]``; ``prompt_lens``: the hybrid mode's switch per sequence."""
+    ``norm``: the gated norm's weight ``[V]``."""
     T = x_TD.shape[0]
     Hk, Hv, K, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
     mixed, z, b, a = gdn_project(c, x_TD, projections)
@@ -228,18 +227,13 @@ def gdn_block(c: HybridConfig, x_TD, cu: list[int], projections: tuple, conv1d, 
     # The server's GDN core, every sequence from fp32 zero states (CPU: one recurrence per sequence;
     # CUDA: one fla-core varlen launch).
     n, dev = len(cu) - 1, x_TD.device
-    mode, chunk_rows = gdn_mode(), None
-    if mode == "hybrid":  # chunk arithmetic up to each prompt's last block boundary, then the recurrence
-        lens = [cu[i + 1] - cu[i] for i in range(n)]
-        chunk_rows = [hybrid_chunk_rows(lens[i] if prompt_lens is None else prompt_lens[i], 0, lens[i])
-                      for i in range(n)]
     # packed: one output tensor. Per-sequence slices would each cost the backward a full-size zero
     # tensor (SliceBackward), O(sequences x tokens): 2x the whole layer's training time at 64 x 1K.
     o, _, _ = gdn_varlen(
         mixed, [(cu[i], cu[i + 1]) for i in range(n)], w,
         torch.zeros((n, w.shape[-1] - 1, w.shape[0]), dtype=x_TD.dtype, device=dev), A_log.float(), a, b,
         dt_bias, torch.zeros((n, Hv, V, K), dtype=torch.float32, device=dev), Hk, K, V,
-        mode=mode, packed=True, chunk_rows=chunk_rows,
+        mode=gdn_mode(), packed=True,
     )
     core = o.to(x_TD.dtype)
     y = gated_rms_norm(core, z, norm, c.rms_norm_eps, True, "silu")
@@ -282,20 +276,20 @@ def packed_positions(cu: list[int], device) -> torch.Tensor:
     return torch.cat([torch.arange(cu[i + 1] - cu[i]) for i in range(len(cu) - 1)]).to(device)
 
 
-def decoder_stack(h, layers, final_norm, cu: list[int], prompt_lens=None) -> torch.Tensor:
-    """The decoder over packed embeddings ``h [T, D]``: every ``layer(h, residual, positions, cu, prompt_lens)``
+def decoder_stack(h, layers, final_norm, cu: list[int]) -> torch.Tensor:
+    """The decoder over packed embeddings ``h [T, D]``: every ``layer(h, residual, positions, cu)``
     in order, then ``final_norm(h, residual)``. Returns the final hidden states ``[T, D]``."""
     positions = packed_positions(cu, h.device)
     residual = None
     for layer in layers:
-        h, residual = layer(h, residual, positions, cu, prompt_lens)
+        h, residual = layer(h, residual, positions, cu)
     h, _ = final_norm(h, residual)
     return h
 
 
 def completion_logprobs(model, pairs, entropy: bool = False, masks=None) -> tuple[list[torch.Tensor], float]:
-    """Pack ``pairs`` of (prompt ids, completion ids) into one forward of ``model`` (called as ``model(ids, cu,
-    prompt_lens)``, bf16 logits). Returns each completion's per-token logprobs (fp32, on the model's device,
+    """Pack ``pairs`` of (prompt ids, completion ids) into one forward of ``model`` (called as ``model(ids, cu)``,
+    bf16 logits). Returns each completion's per-token logprobs (fp32, on the model's device,
     differentiable) and, with ``entropy``, the entropy summed over those positions (no grad; 0.0 otherwise).
     ``masks``: per pair None or one bool per completion token (False: a tool's token in a multi-turn trajectory),
     the positions the entropy counts."""
@@ -304,7 +298,7 @@ def completion_logprobs(model, pairs, entropy: bool = False, masks=None) -> tupl
     for p, c in pairs:
         cu.append(cu[-1] + len(p) + len(c))
     ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
-    lp = log_softmax(model(ids, cu, [len(p) for p, _ in pairs]), dim=-1, dtype=torch.float32)
+    lp = log_softmax(model(ids, cu), dim=-1, dtype=torch.float32)
     rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
     targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
     tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -381,13 +375,13 @@ class GatedDeltaNet(nn.Module):
         self.norm = _p(V)
         self.out_proj = _p(D, self.value_dim)
 
-    def forward(self, x_TD, positions_T, cu, prompt_lens=None):
+    def forward(self, x_TD, positions_T, cu):
         if self.c.interleaved_gdn:
             projections = (self.in_proj_qkvz, self.in_proj_ba)
         else:
             projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         return gdn_block(self.c, x_TD, cu, projections, self.conv1d, self.A_log, self.dt_bias, self.norm,
-                         self.out_proj, prompt_lens)
+                         self.out_proj)
 
 
 class MLP(nn.Module):
@@ -430,10 +424,10 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"unknown layer type {layer_type!r}")
         self.mlp = SparseMoE(c, moe_inter, shared_inter) if c.moe else MLP(c.hidden_size, inter)
 
-    def forward(self, h, residual, positions, cu, prompt_lens=None):
+    def forward(self, h, residual, positions, cu):
         if self.layer_type == "linear_attention":
             def mixer(x):
-                return self.linear_attn(x, positions, cu, prompt_lens)
+                return self.linear_attn(x, positions, cu)
         else:
             def mixer(x):
                 return self.self_attn(x, positions, cu)
@@ -530,14 +524,10 @@ class QwenGDNForCausalLM(nn.Module):
         ``state_dict``: an :meth:`hf_state_dict` already gathered (default: gather it now)."""
         return write_checkpoint(path, self.hf_state_dict() if state_dict is None else state_dict, like)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
-                prompt_lens: list[int] | None = None) -> torch.Tensor:
-        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``. ``prompt_lens``: each
-        sequence's prompt length (the hybrid GDN mode's switch; default: the whole sequence is prompt)."""
-        if prompt_lens is not None and len(prompt_lens) != len(cu_seqlens) - 1:
-            raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(cu_seqlens) - 1} sequences")
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        h = decoder_stack(self.embed_tokens[input_ids], self.layers, self.norm, cu, prompt_lens)
+        h = decoder_stack(self.embed_tokens[input_ids], self.layers, self.norm, cu)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return bi_linear(h, head)
 

@@ -1,7 +1,7 @@
 """vllm_bi's changes to vLLM, one module per concern, applied from one ledger (:mod:`vllm_bi.patch.ledger`).
 
 - :mod:`~vllm_bi.patch.engine_config` — start-up checks and defaults (``EngineArgs.create_engine_config``);
-- :mod:`~vllm_bi.patch.gdn_backend` — the GDN backend and layer forward, state shapes, the hybrid mode's wiring;
+- :mod:`~vllm_bi.patch.gdn_backend` — the GDN backend and layer forward, state shapes;
 - :mod:`~vllm_bi.patch.cpu_layers` — the op library in vLLM's linear, norm, activation, rotary and logprob layers;
 - :mod:`~vllm_bi.patch.cpu_moe`, :mod:`~vllm_bi.patch.cuda_moe` — MoE router and experts;
 - :mod:`~vllm_bi.patch.sampling` — seeded CPU sampling keyed by (seed, draw index); exact-match verification of speculative drafts;

@@ -14,7 +14,6 @@ runs once, in the process that builds the engine, before any model is loaded:
 - every ``VLLM_BI_*`` value is validated (:mod:`vllm_bi.settings`), and the op settings' tables are read;
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
-- the hybrid GDN mode turns prefix caching off and is refused on CUDA;
 - Kimi Linear runs without vLLM's fused GEMM + all-reduce (:func:`_kimi_linear`), and on CPU keeps chunked prefill and
   prefix caching, which vLLM's CPU platform turns off for MLA models (:func:`wrap_cpu_platform_config`);
 - a model with recurrent-state layers other than the Qwen GDN layer (Mamba, Mamba2, short convolutions, other linear
@@ -48,6 +47,10 @@ def wrap_create_engine_config(orig):
     def create_engine_config(self, *args, **kwargs):
         from vllm.platforms import current_platform
 
+        try:
+            current_settings()  # a bad VLLM_BI_* value is refused by name before anything reads it
+        except ValueError as e:
+            raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
         ssm = getattr(self, "mamba_ssm_cache_dtype", "auto")
         if ssm not in ("auto", "float32", None):
             raise BatchInvarianceConfigError(
@@ -63,9 +66,7 @@ def wrap_create_engine_config(orig):
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
-        _hybrid_prefix_caching(self)
         _kimi_linear(self, current_platform)
-        _refuse_hybrid_on_cuda(current_platform)
         if current_platform.is_cuda():
             chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
             if chosen is None:
@@ -181,27 +182,6 @@ def _check_speculative(args, platform) -> None:
     logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, drafts verified by exact match", method)
 
 
-def _hybrid_prefix_caching(args) -> None:
-    """``VLLM_BI_GDN_MODE=hybrid`` turns prefix caching off (and refuses it when asked for). A token's arithmetic
-    there depends on its own request's prompt length, so a state cached by another request (a previous turn's
-    generated tokens, run in the recurrence) is not the state this request would compute: a cache hit would
-    change its bits."""
-    try:
-        hybrid = current_settings().gdn_mode == "hybrid"
-    except ValueError as e:
-        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
-    if not hybrid:
-        return
-    if args.enable_prefix_caching:
-        raise BatchInvarianceConfigError(
-            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid cannot share prefix-cache states between requests (a token's "
-            "arithmetic depends on its request's prompt length); drop --enable-prefix-caching or use "
-            f"VLLM_BI_GDN_MODE=chunk or recurrent.")
-    args.enable_prefix_caching = False
-    logger.warning("vllm_bi: VLLM_BI_GDN_MODE=hybrid: prefix caching off (a state cached by another request would "
-                   "have other bits)")
-
-
 def _kimi_linear(args, platform) -> None:
     """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
     engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
@@ -246,22 +226,11 @@ def wrap_cpu_platform_config(orig):
     return classmethod(check_and_update_config)
 
 
-def _refuse_hybrid_on_cuda(platform) -> None:
-    """``VLLM_BI_GDN_MODE=hybrid`` on CUDA: refused. The GPU gate (``docs/results/gpu-gate.json``) measured the
-    trainer's logprobs equal to the served ones on only 88-98% of tokens for prompts of 5-700 words (exact on CPU on
-    the same prompts), so the mode does not deliver what batch invariance claims there."""
-    if platform.is_cuda() and current_settings().gdn_mode == "hybrid":
-        raise BatchInvarianceConfigError(
-            f"vllm_bi: VLLM_BI_GDN_MODE=hybrid is not exact on CUDA (the GPU gate measured 88-98% of tokens equal to "
-            f"the trainer's, docs/results/2026-12-02-h200-chunk-nan.md); use VLLM_BI_GDN_MODE=chunk (exact, the "
-            "fastest prefill) or recurrent.")
-
-
 def _check_graphs(config) -> None:
     """``VLLM_BI_CUDA_GRAPHS=decode``: refuse what a captured decode step cannot run.
 
     By default vllm_bi runs CUDA steps eagerly: its glue plans each step on the host. A step of one-token decodes
-    needs no host plan: the GDN glue (recurrent and hybrid modes) reads its state slots from the metadata's device
+    needs no host plan: the GDN glue (recurrent mode) reads its state slots from the metadata's device
     tensor, the chunk mode with ``VLLM_BI_CHUNK_DECODE=padded`` builds its block indices on the device from the
     computed-token counts, and the Triton attention builds its tiles on the device. With this setting vLLM captures such steps whole
     (``cudagraph_mode=FULL_DECODE_ONLY``, no torch.compile) and replays them; prefills and mixed steps stay eager. A

@@ -28,8 +28,7 @@ ALL, CPU, CUDA = "all", "cpu", "cuda"
 # when: a settings condition (see active_rows)
 OWN_OPS = "op library"          # CPU always; CUDA with VLLM_BI_CUDA_OPS=vllm_bi (default)
 VLLM_OPS = "vLLM's BI kernels"  # CUDA with VLLM_BI_CUDA_OPS=vllm
-BLOCK_MODES = "chunk or hybrid GDN mode"
-HYBRID = "hybrid GDN mode"
+CHUNK_MODE = "chunk GDN mode"
 GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
 TUNE = "Triton GEMM, tuned tiles"  # VLLM_BI_GEMM_CONFIGS=tune with the Triton GEMM (CUDA)
 API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
@@ -127,23 +126,9 @@ LEDGER: tuple[Patch, ...] = (
       "a no-op that logs why", "vllm_bi.patch.gdn_backend:skip_qwen_gdn_warmup",
       remove_when="the GDN forward rows go"),
     P("vllm.model_executor.layers.mamba.mamba_utils:MambaStateShapeCalculator.gated_delta_net_state_shape", ALL,
-      "the chunk-aligned modes keep a block's raw rows in the conv state", "a wider conv state",
-      "vllm_bi.patch.gdn_backend:wrap_state_shape", wraps=True, when=BLOCK_MODES,
+      "the chunk-aligned mode keeps a block's raw rows in the conv state", "a wider conv state",
+      "vllm_bi.patch.gdn_backend:wrap_state_shape", wraps=True, when=CHUNK_MODE,
       remove_when="the GDN forward rows go"),
-    P("vllm.config.vllm:VllmConfig.use_v2_model_runner", ALL,
-      "the hybrid mode's prompt lengths are wired into the V1 model runner", "always False; an explicit V2 "
-      "request is refused", "vllm_bi.patch.gdn_backend:V1_RUNNER_ONLY", when=HYBRID,
-      remove_when="the hybrid mode is dropped or wired into the V2 runner"),
-    P("vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata", ALL,
-      "the hybrid mode switches arithmetic at each request's prompt length, which the metadata does not carry",
-      "hands the input batch's prompt lengths to the GDN metadata builder",
-      "vllm_bi.patch.gdn_backend:wrap_build_attention_metadata", wraps=True, when=HYBRID,
-      remove_when="the hybrid mode is dropped"),
-    P("vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding", ALL,
-      "vLLM counts one-token prompt chunks as uniform decodes, which a decode graph would run recurrently",
-      "a step with a request before its switch point runs eagerly",
-      "vllm_bi.patch.gdn_backend:wrap_batch_execution", wraps=True, when=HYBRID,
-      remove_when="the hybrid mode is dropped"),
     # ------------------------------------------------------------------ worker RPC
     P("vllm.v1.worker.gpu_worker:Worker.vllm_bi_weight_digest", ALL,
       "a trainer must check that the server holds its weights", "new worker method (/collective_rpc)",
@@ -342,7 +327,7 @@ def active_rows(device: str, settings=None) -> list[Patch]:
 
         settings = current()
     cond = {"": True, OWN_OPS: settings.ops(device) == "vllm_bi", VLLM_OPS: settings.ops(device) == "vllm",
-            BLOCK_MODES: settings.gdn_mode in ("chunk", "hybrid"), HYBRID: settings.gdn_mode == "hybrid",
+            CHUNK_MODE: settings.gdn_mode == "chunk",
             GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device)}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
 

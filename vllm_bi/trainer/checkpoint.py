@@ -67,6 +67,11 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
                                f"{b!r} one (the CUDA default since the fast arithmetic became it): set "
                                "VLLM_BI_PRESET=portable for this run and its server, or use --resume false (or "
                                "another --run-dir) to start over", exit_code=MISMATCH)
+        if key == "gdn_mode" and a == "hybrid":  # a mode this vllm_bi no longer has
+            raise TrainerError(f"{run_dir} holds a checkpoint made in the hybrid GDN mode, which is retired (this "
+                               "vllm_bi no longer runs it): resume it with the vllm_bi version that made it, or use "
+                               "--resume false (or another --run-dir) to start over in the recurrent (default) or "
+                               "chunk mode", exit_code=MISMATCH)
         if key == "logprobs" and a == "torch" and b == "triton":
             raise TrainerError(f"{run_dir} holds a checkpoint made with the torch log-softmax, this process runs the "
                                "Triton kernels (other bits on some rows): set "

@@ -90,13 +90,9 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
     env_spec = cfg.env or source.env
     env = None
     if env_spec:  # multi-turn rollouts
-        from vllm_bi.gdn.chunk import gdn_mode
         from vllm_bi.trainer.multiturn import get_env
-        from vllm_bi.trajectories import refuse_hybrid
 
         env = get_env(env_spec)
-        if cfg.arithmetic != "stock":
-            refuse_hybrid(gdn_mode())
     t0 = time.perf_counter()
     if cfg.weight_push == "ipc" and (not str(dist.device).startswith("cuda") or dist.world > 1):
         raise TrainerError("--weight-push ipc needs one trainer process on a CUDA device, beside its server (vLLM's "
