@@ -28,7 +28,7 @@ from torch import nn
 from vllm_bi.gdn.layer import gdn_varlen
 from vllm_bi.model_dir import read_tensors, write_checkpoint
 from vllm_bi.models.qwen_gdn import (completion_logprobs, decoder_layer, mlp_block, next_token_logprobs,
-                                     packed_causal_attention)
+                                     packed_causal_attention, whole)
 from vllm_bi.ops.attention import latent_keys_values
 from vllm_bi.ops.linear import bi_linear
 from vllm_bi.ops.moe import moe_experts, sigmoid_topk
@@ -208,11 +208,6 @@ def _name(hf: str) -> str:
     return hf.replace(".", ":")
 
 
-def _full(t):
-    """A tensor whole: an FSDP2 shard (``DTensor``) gathered, any other as it is."""
-    return t.full_tensor() if type(t).__name__ == "DTensor" else t
-
-
 def _layer_shapes(c: "KimiConfig", i: int):
     """``(name under model.layers.i, shape, dtype)`` of decoder layer ``i``'s parameters."""
     D, bf, f32 = c.hidden_size, torch.bfloat16, torch.float32
@@ -356,7 +351,7 @@ class KimiLinearForCausalLM(_Params):
         out = {}
         for name, p in self.hf_parameters():
             t = p.grad if grads else p.detach()
-            t = None if t is None else _full(t)
+            t = None if t is None else whole(t)
             if name.endswith(".block_sparse_moe.w13"):
                 I = p.shape[1] // 2
                 for e in range(p.shape[0]):

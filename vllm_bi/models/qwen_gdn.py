@@ -38,7 +38,7 @@ from vllm_bi.ops.softmax import log_softmax
 
 __all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "completion_logprobs", "decoder_layer",
            "decoder_stack", "gdn_block", "gemma_rms_norm", "mlp_block", "moe_block", "next_token_logprobs",
-           "packed_positions"]
+           "packed_positions", "whole"]
 
 _ARCHS = QWEN_ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
 
@@ -140,6 +140,11 @@ class HybridConfig:
 # Our parameter names are the HF names without the ``model.`` prefix, and without ``.weight`` for
 # raw GEMM weights, conv weights and the GDN output-norm weight (norm modules keep ``.weight``).
 _NO_SUFFIX = ("A_log", "dt_bias")
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: an FSDP2 shard (``DTensor``) gathered (every rank must call this), any other as it is."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
 
 
 def _hf_name(own: str) -> str:
@@ -502,9 +507,7 @@ class QwenGDNForCausalLM(nn.Module):
         Sharded (FSDP2) parameters are gathered: under torchrun every rank must call this."""
         out: dict[str, torch.Tensor] = {}
         for n, p in self.named_parameters():
-            t = p.detach()
-            if type(t).__name__ == "DTensor":
-                t = t.full_tensor()
+            t = whole(p.detach())
             if n.endswith(".mlp.w13") or n.endswith(".mlp.w2"):
                 layer = n.split(".")[1]
                 for e in range(t.shape[0]):
