@@ -68,7 +68,7 @@ def wrap_create_engine_config(orig):
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
         _kimi_linear(self, current_platform)
         if current_platform.is_cuda():
-            chosen = self.attention_backend or getattr(self.attention_config, "backend", None)
+            chosen = _chosen_attention_backend(self)
             if chosen is None:
                 self.attention_backend = "TRITON_ATTN"
                 logger.warning(
@@ -182,6 +182,11 @@ def _check_speculative(args, platform) -> None:
     logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, drafts verified by exact match", method)
 
 
+def _chosen_attention_backend(args):
+    """The attention backend the user asked for (``--attention-backend`` or ``--attention-config``), or None."""
+    return args.attention_backend or getattr(args.attention_config, "backend", None)
+
+
 def _kimi_linear(args, platform) -> None:
     """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
     engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
@@ -196,7 +201,7 @@ def _kimi_linear(args, platform) -> None:
     os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
     if not platform.is_cpu():
         return
-    chosen = args.attention_backend or getattr(args.attention_config, "backend", None)
+    chosen = _chosen_attention_backend(args)
     if chosen is None:
         args.attention_backend = "CPU_MLA"
     elif "CPU_MLA" not in str(chosen):
