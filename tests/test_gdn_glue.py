@@ -83,23 +83,47 @@ def test_server_glue_matches_per_sequence_reference(dim_first, kv_layout):
     assert torch.equal(l1.kv_cache[0], l2.kv_cache[0]) and torch.equal(want, l2.kv_cache[1])
 
 
-def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, patches=(), on_step=lambda: None):
+def _kda_layer(gen, conv_rows, cache_cols):
+    """A Kimi Linear KDA layer as the glue sees it: 2 heads of 32, a forget gate per key channel, a lower bound."""
+    Hk, Kk = 2, 32
+    P = Hk * Kk
+    return types.SimpleNamespace(
+        kv_cache=(torch.randn(nslots, conv_rows, cache_cols, generator=gen).bfloat16(),
+                  torch.randn(nslots, Hk, Kk, Kk, generator=gen) * 0.1),
+        f_b_proj=object(), conv1d=types.SimpleNamespace(weight=(torch.randn(3 * P, 1, W, generator=gen) * 0.3).float()),
+        local_num_heads=Hk, head_dim=Kk, gate_lower_bound=-5.0, A_log=torch.log(torch.tensor([2.0, 9.0])),
+        dt_bias=torch.randn(P, generator=gen) * 0.3, prefix="kda", num_spec=0)
+
+
+def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, patches=(), on_step=lambda: None, kda=False,
+                 ref_mode=None):
     """Serve requests of ``total`` tokens over scheduler ``steps`` (tokens of each request per step) through
     ``gdn.bi_gdn_core`` in ``mode``, from widened conv-state slots holding garbage (new requests must ignore
     it). One-token chunks of running requests are counted as decodes, as vLLM does. Returns each request's
-    outputs and the trainer's call, ``gdn_varlen(mode=...)`` over the whole sequences from zero states."""
+    outputs and the trainer's call, ``gdn_varlen(mode=...)`` over the whole sequences from zero states.
+    ``kda``: a Kimi Linear KDA layer (``a`` its forget gate per key channel, ``b`` its raw beta) instead of GDN's.
+    ``ref_mode``: the trainer's call in another mode (for controls)."""
     from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.gdn.layer import gdn_varlen
 
     R = CHUNK + W - 1
     n = len(total)
     gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(t, D, generator=gen).bfloat16() for t in total]
-    as_ = [torch.randn(t, HV, generator=gen).bfloat16() for t in total]
-    bs = [torch.randn(t, HV, generator=gen).bfloat16() for t in total]
-    layer = mk(dim_first)
-    conv = torch.randn(nslots, *((D + 2 * HV, R) if dim_first else (R, D + 2 * HV)), generator=gen).bfloat16()
-    layer.kv_cache = (conv, torch.randn(nslots, HV, V, K, generator=gen))
+    if kda:
+        layer = _kda_layer(gen, R, 2 * 3 * 32 + 2 * 32 + 2)  # rows: [mixed_qkv | forget | beta]
+        Dx, a_tail, b_tail = 3 * 64, (2, 32), (2,)
+        heads, gate = (2, 32, 32), {"gating": "kda", "lower_bound": -5.0}
+    else:
+        layer = mk(dim_first)
+        layer.kv_cache = (torch.randn(nslots, R, D + 2 * HV, generator=gen).bfloat16(),
+                          torch.randn(nslots, HV, V, K, generator=gen))
+        Dx, a_tail, b_tail, heads, gate = D, (HV,), (HV,), (H, K, V), {}
+    if dim_first:
+        layer.kv_cache = (layer.kv_cache[0].transpose(1, 2).contiguous(), layer.kv_cache[1])
+    xs = [torch.randn(t, Dx, generator=gen).bfloat16() for t in total]
+    as_ = [torch.randn(t, *a_tail, generator=gen).bfloat16() for t in total]
+    bs = [torch.randn(t, *b_tail, generator=gen).bfloat16() for t in total]
+    out_heads = heads[0] if kda else HV
     slot, done, outs = [4, 0, 2, 5][:n], [0] * n, [[] for _ in range(n)]
     for step in steps:
         on_step()
@@ -115,7 +139,7 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, patches=(), on_
             has_initial_state=torch.tensor([done[i] > 0 for i in reqs]),
             vllm_bi_num_computed=torch.tensor([done[i] for i in reqs]))
         cat = [torch.cat([t[i][done[i] : done[i] + step[i]] for i in reqs]) for t in (xs, as_, bs)]
-        o = torch.zeros(qsl[-1], HV, V, dtype=torch.bfloat16)
+        o = torch.zeros(qsl[-1], out_heads, heads[2], dtype=torch.bfloat16)
         with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \
                 mock.patch.object(G, "_metadata", return_value=step_md), mock.patch.object(G, "gdn_mode", return_value=mode), \
                 mock.patch.object(G, "_kv_layout", return_value=kv_layout), contextlib.ExitStack() as stack:
@@ -127,10 +151,11 @@ def _serve_steps(mode, total, steps, dim_first, kv_layout, seed, patches=(), on_
             done[i] += step[i]
     assert done == total
     cu = [0, *torch.tensor(total).cumsum(0).tolist()]
-    w = layer.conv1d.weight.reshape(D, W)
+    w = layer.conv1d.weight.reshape(Dx, W)
     ref, _, _ = gdn_varlen(torch.cat(xs), [(cu[i], cu[i + 1]) for i in range(n)], w,
-                           torch.zeros(n, W - 1, D, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
-                           layer.dt_bias, torch.zeros(n, HV, V, K), H, K, V, mode=mode)
+                           torch.zeros(n, W - 1, Dx, dtype=torch.bfloat16), layer.A_log, torch.cat(as_), torch.cat(bs),
+                           layer.dt_bias, torch.zeros(n, *layer.kv_cache[1].shape[1:]), *heads, mode=ref_mode or mode,
+                           **gate)
     return [torch.cat(o) for o in outs], [r.to(torch.bfloat16) for r in ref]
 
 
@@ -154,6 +179,21 @@ def test_chunk_glue_resumes_exactly(dim_first, kv_layout):
     assert stored == [3, 1, 1, 0]  # step 1: request 0 crosses 64, the decodes of 1 and 2 do not; step 3: none
     for i in range(3):
         assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+
+
+@pytest.mark.parametrize("kv_layout", [False, True], ids=["vk-slots", "kv-slots"])
+@pytest.mark.parametrize("dim_first", [False, True])
+def test_kda_chunk_glue_resumes_exactly(dim_first, kv_layout):
+    """Kimi Linear's KDA layer in the chunk-aligned mode: prefills split at unaligned offsets, mixed steps, decode-only
+    steps (read from the ring) and a decode across a 64-token boundary give exactly the trainer's call,
+    ``gdn_varlen(mode="chunk", gating="kda")`` over the whole sequences. Control: the recurrent mode's bits differ,
+    so the comparison sees which arithmetic ran."""
+    steps = [[40, 70, 5], [60, 1, 1], [1, 1, 1], [49, 0, 0], [1, 0, 0]]
+    got, ref = _serve_steps("chunk", [151, 72, 7], steps, dim_first, kv_layout, 5, kda=True)
+    for i in range(3):
+        assert torch.equal(got[i], ref[i]), f"request {i} differs from the trainer"
+    _, rec = _serve_steps("chunk", [151, 72, 7], steps, dim_first, kv_layout, 5, kda=True, ref_mode="recurrent")
+    assert not torch.equal(got[0], rec[0]), "control: the recurrent mode should give other bits"
 
 
 @pytest.mark.parametrize("dim_first", [False, True])
@@ -456,7 +496,7 @@ def test_kda_layer_through_the_server_glue_matches_per_sequence_reference(dim_fi
     """Kimi Linear's KDA layer (a forget gate per key channel, raw beta, a gate lower bound) through the same glue:
     the scheduled sequences from their slots == one sequence at a time from ``gdn_sequence(gating="kda")``, outputs,
     conv and fp32 states exact. Control: the reference with another lower bound differs, so the gate reaches the
-    bits. Other GDN modes are refused for KDA by name."""
+    bits. Speculative decoding is refused for KDA by name."""
     Hk, Kk = 2, 32
     P = Hk * Kk
     gen = torch.Generator().manual_seed(7)
@@ -494,16 +534,21 @@ def test_kda_layer_through_the_server_glue_matches_per_sequence_reference(dim_fi
         got_c = layer.kv_cache[0][slots[i]]
         assert torch.equal(got_c.transpose(0, 1) if dim_first else got_c, c.to(torch.bfloat16)), i
     assert not torch.equal(ref(2, -1.0)[0].to(torch.bfloat16), out[qsl[2] : qsl[3]]), "control: the bound matters"
-    with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value="chunk"):
-        with pytest.raises(NotImplementedError, match="recurrent GDN mode"):
+    layer.num_spec = 2
+    with mock.patch.object(G, "_metadata", return_value=md):
+        with pytest.raises(NotImplementedError, match="without speculative decoding"):
             G.bi_gdn_core(layer, xk, beta, forget, out)
 
 
-def test_kda_forward_over_the_glue_equals_the_trainers_kda_block():
+@pytest.mark.parametrize("mode", ["recurrent", "chunk"])
+def test_kda_forward_over_the_glue_equals_the_trainers_kda_block(mode, monkeypatch):
     """``bi_kda_forward`` (vLLM's KDA layer under batch invariance: its merged projection, the glue's core over the
     cache slots, the sigmoid-gated norm, ``o_proj``) gives the trainer's ``models.kimi_linear.kda_block`` bits for a
-    step of fresh prompts, and a decode after it gives the bits of the same token in the longer prompt (exact). The
-    glue test above carries the controls for the core."""
+    step of fresh prompts, and a decode after it gives the bits of the same token in the longer prompt (exact), in
+    each GDN mode, the trainer's taken from the settings as the server's is. The glue tests above carry the controls
+    for the core."""
+    from vllm_bi import settings
+    from vllm_bi.gdn.chunk import CHUNK
     from vllm_bi.model_executor.gdn import bi_kda_forward
     from vllm_bi.models.kimi_linear import KimiDeltaAttention, kda_block
     from vllm_bi.ops.linear import bi_linear
@@ -528,9 +573,20 @@ def test_kda_forward_over_the_glue_equals_the_trainers_kda_block():
         o_norm=types.SimpleNamespace(weight=w["o_norm.weight"], eps=1e-5), conv1d=types.SimpleNamespace(weight=conv),
         local_num_heads=Hk, head_dim=Kk, gate_lower_bound=-5.0, A_log=w["A_log"].reshape(Hk).float(),
         dt_bias=w["dt_bias"], prefix="kda", num_spec=0, use_full_rank_gate=False,
-        kv_cache=(torch.zeros(nslots, Wk - 1, 3 * P, dtype=torch.bfloat16), torch.zeros(nslots, Hk, Kk, Kk)))
+        kv_cache=(torch.zeros(nslots, *((Wk - 1, 3 * P) if mode == "recurrent" else (CHUNK + Wk - 1, 4 * P + Hk)),
+                              dtype=torch.bfloat16), torch.zeros(nslots, Hk, Kk, Kk)))
     x = torch.randn(13, Dm, generator=gen).bfloat16()
-    want = kda_block(x, [0, 5, 13], w, Hk, Kk, -5.0)  # two prompts of 5 and 8 tokens
+    monkeypatch.setenv("VLLM_BI_GDN_MODE", mode)
+    settings.reload()
+    try:
+        want = kda_block(x, [0, 5, 13], w, Hk, Kk, -5.0)  # two prompts of 5 and 8 tokens
+        other = "chunk" if mode == "recurrent" else "recurrent"
+        monkeypatch.setenv("VLLM_BI_GDN_MODE", other)
+        settings.reload()
+        assert not torch.equal(kda_block(x, [0, 5, 13], w, Hk, Kk, -5.0), want), f"control: {other} gives other bits"
+    finally:
+        monkeypatch.delenv("VLLM_BI_GDN_MODE")
+        settings.reload()
 
     def step(rows, lens_, slot_ids, fresh):
         q = [0]
@@ -540,11 +596,12 @@ def test_kda_forward_over_the_glue_equals_the_trainers_kda_block():
             num_actual_tokens=q[-1], num_spec_decodes=0, spec_sequence_masks=None,
             non_spec_query_start_loc=torch.tensor(q), non_spec_state_indices_tensor=torch.tensor(slot_ids),
             num_decodes=0 if fresh else len(lens_), num_prefills=len(lens_) if fresh else 0,
-            has_initial_state=torch.tensor([not fresh] * len(lens_)))
+            has_initial_state=torch.tensor([not fresh] * len(lens_)), num_decode_tokens=0 if fresh else len(lens_),
+            vllm_bi_num_computed=torch.tensor([0, 0] if fresh else [7]))
         with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=False), \
                 mock.patch.object(G, "_metadata", return_value=step_md), \
                 mock.patch.object(G, "_kv_layout", return_value=False), \
-                mock.patch.object(G, "gdn_mode", return_value="recurrent"):
+                mock.patch.object(G, "gdn_mode", return_value=mode):
             return bi_kda_forward(layer, rows)
 
     with torch.no_grad():

@@ -45,12 +45,17 @@ def test_every_row_names_a_vllm_symbol_and_a_replacement():
 
 
 def test_rows_follow_the_settings():
-    """The settings decide which rows apply: the chunk GDN mode adds its row, vLLM's own CUDA kernels swap the
-    op-library rows for the norm fixes, the guard's rows go with the guard."""
+    """The settings decide which rows apply: the chunk GDN mode adds its rows (GDN's and KDA's state shapes; CUDA
+    serves no KDA), vLLM's own CUDA kernels swap the op-library rows for the norm fixes, the guard's rows go with the
+    guard."""
     base = {p.target for p in active_rows("cpu", Settings())}
     chunk = {p.target for p in active_rows("cpu", Settings(gdn_mode="chunk"))}
-    assert {t.split(":")[1] for t in chunk - base} == {"MambaStateShapeCalculator.gated_delta_net_state_shape"}
+    assert {t.split(":")[1] for t in chunk - base} == {"MambaStateShapeCalculator.gated_delta_net_state_shape",
+                                                      "MambaStateShapeCalculator.kda_state_shape"}
     assert not base - chunk
+    cuda_chunk = {p.target for p in active_rows("cuda", Settings(gdn_mode="chunk"))}
+    cuda_base = {p.target for p in active_rows("cuda", Settings())}
+    assert {t.split(":")[1] for t in cuda_chunk - cuda_base} == {"MambaStateShapeCalculator.gated_delta_net_state_shape"}
     unguarded = {p.target for p in active_rows("cpu", Settings(nonfinite_guard=False))}
     assert len(base - unguarded) == 4 and not unguarded - base
     own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]

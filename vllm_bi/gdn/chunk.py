@@ -24,7 +24,9 @@ Per block, value head ``h`` (``G`` = cumulative log-decay from the boundary, ``S
 which is the recurrence of :mod:`vllm_bi.gdn.recurrent` (``S_t = e^{g_t} S_{t-1} + U_t k_t^T``)
 unrolled over the block. q and k are l2-normalised (eps 1e-6) and q scaled by ``K^-1/2`` first, as there.
 Inputs and shapes as :func:`~vllm_bi.gdn.recurrent.gdn_recurrent`: ``q, k [T, H, K]``,
-``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``state [HV, V, K]`` fp32.
+``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``state [HV, V, K]`` fp32. ``g [T, HV, K]``, a log decay per key
+channel (Kimi Delta Attention), runs the same blocks with the decays inside the sums over ``K``
+(:func:`_block_per_channel`); CPU only (fla-core's chunked kernel takes one decay per head).
 
 Selected with ``VLLM_BI_GDN_MODE=chunk`` (server and trainer alike); :func:`gdn_chunk_varlen` is the one
 entry point. CPU: :func:`gdn_chunk_aligned` below, per sequence (the specification). CUDA: fla-core's chunked
@@ -74,24 +76,53 @@ def _block(q, k, v, g, beta, S0, C: int):
     HV = v.shape[1]
     dev = q.device
     qh, kh, vh = (x.transpose(0, 1).contiguous() for x in (q, k, v))  # [HV, C, *]
-    G = torch.cumsum(g, dim=0).transpose(0, 1).contiguous()  # [HV, C]
+    G = torch.cumsum(g, dim=0).transpose(0, 1).contiguous()  # [HV, C] (or [HV, C, K]: a decay per key channel)
     bh = beta.transpose(0, 1)  # [HV, C]
     causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
     zero = torch.zeros((), device=dev)
+    kT, S0T = kh.transpose(1, 2), S0.transpose(1, 2)
+    if G.dim() == 3:
+        return _block_per_channel(qh, kh, vh, G, bh, S0, C, causal, zero)
     decay = torch.where(causal, pointwise.exp(torch.where(causal, G.unsqueeze(2) - G.unsqueeze(1), zero)), zero)
     eG = pointwise.exp(G)  # [HV, C]
-    kT, S0T = kh.transpose(1, 2), S0.transpose(1, 2)
     A = (bh.unsqueeze(2) * decay * _bmm(kh, kT)).tril(-1)  # [HV, C, C]
     R = bh.unsqueeze(2) * (vh - eG.unsqueeze(2) * _bmm(kh, S0T))  # [HV, C, V]
-    Ut = torch.zeros((HV, R.shape[2], C), dtype=torch.float32, device=dev)  # U with tokens on the last dim
-    for t in range(C):  # forward substitution; row t reads rows < t only, with fixed shapes
-        row = R[:, t] - row_sum(A[:, t].unsqueeze(1) * Ut).squeeze(-1)
-        Ut = Ut.clone()  # out of place, so autograd can differentiate through the substitution
-        Ut[:, :, t] = row
+    Ut = _substitute(A, R)  # U with tokens on the last dim
     U = Ut.transpose(1, 2)
     o = eG.unsqueeze(2) * _bmm(qh, S0T) + _bmm(decay * _bmm(qh, kT), U)
     last = decay[:, C - 1]  # exp(G_C - G_j), j = 0..C-1
     S = eG[:, C - 1].view(HV, 1, 1) * S0 + _bmm(Ut * last.unsqueeze(1), kh)
+    return o.transpose(0, 1), S
+
+
+def _substitute(A, R):
+    """Solve ``(I + A) U = R`` for strictly lower ``A [HV, C, C]``, row by row; returns ``U`` with tokens on the last
+    dim, ``[HV, V, C]``. Row ``t`` reads rows ``< t`` only, with fixed shapes."""
+    HV, C, V = R.shape
+    Ut = torch.zeros((HV, V, C), dtype=torch.float32, device=R.device)
+    for t in range(C):
+        row = R[:, t] - row_sum(A[:, t].unsqueeze(1) * Ut).squeeze(-1)
+        Ut = Ut.clone()  # out of place, so autograd can differentiate through the substitution
+        Ut[:, :, t] = row
+    return Ut
+
+
+def _block_per_channel(qh, kh, vh, G, bh, S0, C, causal, zero):
+    """:func:`_block` with a log decay per key channel (Kimi Delta Attention): ``G [HV, C, K]``. The state decays
+    column by column (``S_t = S_{t-1} diag(e^{g_t}) + U_t k_t^T``), so every decay between two rows sits inside the
+    sum over ``K``: ``A[t, j] = beta_t * sum_c k_t[c] k_j[c] exp(G_t[c] - G_j[c])``, and likewise ``q_t . k_j`` in
+    the output. Those sums are op-library row sums over the ``[HV, C, C, K]`` products; the rest are ``bi_bmm``
+    calls as in the per-head form. Every exponent is ``<= 0`` (``G`` falls along the block)."""
+    mask = causal.view(1, C, C, 1)
+    decay = torch.where(mask, pointwise.exp(torch.where(mask, G.unsqueeze(2) - G.unsqueeze(1), zero)), zero)
+    eG = pointwise.exp(G)  # [HV, C, K]
+    S0T = S0.transpose(1, 2)  # [HV, K, V]
+    A = (bh.unsqueeze(2) * row_sum(kh.unsqueeze(2) * kh.unsqueeze(1) * decay).squeeze(-1)).tril(-1)  # [HV, C, C]
+    R = bh.unsqueeze(2) * (vh - _bmm(kh * eG, S0T))  # [HV, C, V]
+    Ut = _substitute(A, R)
+    qk = row_sum(qh.unsqueeze(2) * kh.unsqueeze(1) * decay).squeeze(-1)  # [HV, C, C], zero above the diagonal
+    o = _bmm(qh * eG, S0T) + _bmm(qk, Ut.transpose(1, 2))
+    S = S0 * eG[:, C - 1].unsqueeze(1) + _bmm(Ut, kh * decay[:, C - 1])  # decay[:, C-1]: exp(G_C - G_j) per channel
     return o.transpose(0, 1), S
 
 
@@ -145,7 +176,8 @@ def gdn_chunk_varlen(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences, each starting at a block boundary from its boundary state: ``q, k [T, H, K]``,
-    ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32, ``states [N, HV, V, K]`` fp32, ``cu_seqlens`` N + 1 offsets.
+    ``v [T, HV, V]``, ``g, beta [T, HV]`` fp32 (``g [T, HV, K]``: a decay per key channel, CPU only),
+    ``states [N, HV, V, K]`` fp32, ``cu_seqlens`` N + 1 offsets.
 
     Returns ``(o [T, HV, V], boundary states [N, HV, V, K] fp32)``: each sequence's state at the last block
     boundary it reached (its input state when it reached none). ``o`` is fp32 on CPU and ``v.dtype`` on
@@ -162,6 +194,9 @@ def gdn_chunk_varlen(
             outs.append(o)
             bounds.append(b)
         return torch.cat(outs), torch.stack(bounds)
+    if g.dim() == 3:
+        raise NotImplementedError("gdn_chunk_varlen: a decay per key channel (Kimi Delta Attention) runs on CPU only "
+                                  "in the chunk GDN mode; use VLLM_BI_GDN_MODE=recurrent")
     return _chunk_varlen_cuda(q, k, v, g, beta, states, cu, scale)
 
 

@@ -38,14 +38,10 @@ def gates(gating: str, A_log, a, b, dt_bias, lower_bound: float | None = None) -
     raise ValueError(f"gating {gating!r}: choose one of {', '.join(GATINGS)}")
 
 
-def _check_kda(gating: str, mode: str, device: torch.device) -> None:
-    """Kimi Delta Attention's per-channel gate runs in the recurrent mode on CPU only: refuse the rest by name."""
-    if gating != "kda":
-        return
-    if mode != "recurrent":
-        raise ValueError(f"Kimi Delta Attention (a decay per key channel) runs in the recurrent GDN mode only, not "
-                         f"{mode!r}: set VLLM_BI_GDN_MODE=recurrent")
-    if device.type != "cpu":
+def _check_kda(gating: str, device: torch.device) -> None:
+    """Kimi Delta Attention's per-channel gate runs (in the recurrent and chunk modes) on CPU only: refuse CUDA by
+    name."""
+    if gating == "kda" and device.type != "cpu":
         raise NotImplementedError("Kimi Delta Attention's batch-invariant core runs on CPU only in this release "
                                   f"(got {device.type}): serve the model without VLLM_BATCH_INVARIANT=1")
 
@@ -170,7 +166,7 @@ def gdn_sequence(
     fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``. ``gating="kda"``: Kimi Delta Attention's
     gate (:func:`gates`: ``a [T, H, K]``, ``b [T, H]``, ``lower_bound``), recurrent arithmetic on CPU.
     """
-    _check_kda(gating, "recurrent", mixed_qkv.device)
+    _check_kda(gating, mixed_qkv.device)
     T = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     x, new_conv_state = causal_conv1d(mixed_qkv, conv_weight, conv_state, activation)
@@ -255,9 +251,9 @@ def gdn_varlen(
     written).
 
     ``gating="kda"`` (with ``lower_bound``): Kimi Delta Attention's per-channel gate (:func:`gates`); the recurrent
-    mode on CPU only, anything else refused by name.
+    and chunk modes on CPU only, anything else refused by name.
     """
-    _check_kda(gating, mode, conv_weight.device)
+    _check_kda(gating, conv_weight.device)
     key_dim = num_k_heads * head_k_dim
     cu = [0]
     for s, e in ranges:

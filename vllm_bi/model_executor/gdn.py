@@ -21,7 +21,7 @@ from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
-           "spec_step", "verify_rows", "is_kda", "bi_kda_forward"]
+           "chunk_kda_state_shape", "spec_step", "verify_rows", "is_kda", "bi_kda_forward"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
@@ -155,9 +155,9 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     dev = mixed_qkv.device
     dim_first = is_conv_state_dim_first()
     kv_layout = _kv_layout(dev)
-    if is_kda(layer) and (getattr(layer, "num_spec", 0) or gdn_mode() != "recurrent"):
-        raise NotImplementedError("vllm_bi: Kimi Delta Attention is served in the recurrent GDN mode without "
-                                  "speculative decoding only (VLLM_BI_GDN_MODE=recurrent, no --speculative-config)")
+    if is_kda(layer) and getattr(layer, "num_spec", 0):
+        raise NotImplementedError("vllm_bi: Kimi Delta Attention is served without speculative decoding only "
+                                  "(drop --speculative-config)")
     if getattr(layer, "num_spec", 0):  # a server with speculative decoding: its own step (conv slots of W - 1 + k rows)
         spec_step(layer, mixed_qkv, b, a, out, md, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         return
@@ -368,7 +368,9 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
     On CUDA the boundary states stay in their slots (``gdn_chunk_decode.chunk_in_slots``: a partial block reads
     its state in place); CPU gathers them and stores the ones that moved."""
     W = weight.shape[-1]
-    D, HV = mixed_qkv.shape[1], a.shape[1]
+    a_shape = a.shape[1:]  # [HV] (GDN), or [H, K]: KDA's forget gate per key channel
+    a = a.reshape(a.shape[0], -1)
+    D, HA = mixed_qkv.shape[1], a.shape[1]
     hist_cache = conv_cache.transpose(1, 2) if dim_first else conv_cache  # [S, R, C], a view
     R, C = hist_cache.shape[1], hist_cache.shape[2]
     ix = _chunk_index(plan, R, W, mixed_qkv.device)
@@ -382,7 +384,7 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
             ix.ext = torch.where(ix.ext_row >= 0, at, -1)  # -1: before the sequence's start (zeros)
         qkv_blk = RingRows(hist_cache, ix.ext, ix.cache_req)
         ab = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row, D:]  # the blocks' a and b columns
-        a_blk, b_blk, conv0 = ab[:, :HV], ab[:, HV:], None  # RingRows carries the conv rows
+        a_blk, b_blk, conv0 = ab[:, :HA], ab[:, HA:], None  # RingRows carries the conv rows
     else:
         cached = hist_cache[plan.slot_t[ix.cache_req], ix.cache_row]  # the history rows this step reads
         _write_ring(hist_cache, plan, ix, raw)  # the new rows into the ring, once the rows they may overwrite are read
@@ -395,16 +397,15 @@ def _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight
         else:  # the blocks re-run cached rows: gathered from src
             full = torch.cat([head, torch.cat(raw, dim=-1)])
             blk = full[ix.block_rows]
-            qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HV], blk[:, D + HV :]
+            qkv_blk, a_blk, b_blk = blk[:, :D], blk[:, D : D + HA], blk[:, D + HA :]
     in_slots = kv_layout and _in_place(mixed_qkv.device)
     if in_slots:
         boundary, where = state_memory(ssm_cache, True), dict(slots=plan.slot_t, fresh=plan.fresh_host)
     else:
         boundary, where = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout), {}  # [N, HV, V, K]
     o, _, finals = gdn_varlen(
-        qkv_blk, ix.ranges, weight, conv0, layer.A_log, a_blk, b_blk,
-        layer.dt_bias, boundary, layer.num_k_heads // layer.tp_size, layer.head_k_dim, layer.head_v_dim,
-        layer.activation, mode="chunk", packed=True, **where,
+        qkv_blk, ix.ranges, weight, conv0, layer.A_log, a_blk.reshape(-1, *a_shape), b_blk, layer.dt_bias,
+        boundary, *_dims(layer), mode="chunk", packed=True, **where, **_gating(layer),
     )
     if ix.direct is not None:  # every packed row is a new token, in the step's order
         out[: ix.direct].copy_(o)
@@ -614,22 +615,40 @@ def history_rows(conv_kernel_size: int) -> int:
     return CHUNK + conv_kernel_size - 1
 
 
+def _widened(conv: tuple, extra: int) -> tuple:
+    """A conv-state shape with ``extra`` more columns (the raw gate inputs the chunk mode keeps beside the rows)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return (conv[0] + extra, conv[1]) if is_conv_state_dim_first() else (conv[0], conv[1] + extra)
+
+
 def chunk_state_shape(orig):
     """Wrap ``MambaStateShapeCalculator.gated_delta_net_state_shape`` for the chunk-aligned mode: the conv
     state keeps :func:`history_rows` rows (``CHUNK`` more than stock's ``W - 1``) and ``2 * num_v_heads`` more
     columns (the raw ``a``, ``b``)."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     def gated_delta_net_state_shape(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
                                     conv_kernel_size, num_spec=0):
         conv, temporal = orig(cls, tp_world_size, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
                               history_rows(conv_kernel_size) + 1, num_spec)
-        extra = 2 * num_v_heads // tp_world_size
-        conv = (conv[0] + extra, conv[1]) if is_conv_state_dim_first() else (conv[0], conv[1] + extra)
-        return conv, temporal
+        return _widened(conv, 2 * num_v_heads // tp_world_size), temporal
 
     gated_delta_net_state_shape._vllm_bi = True
     return gated_delta_net_state_shape
+
+
+def chunk_kda_state_shape(orig):
+    """Wrap ``MambaStateShapeCalculator.kda_state_shape`` for the chunk-aligned mode: :func:`history_rows` rows, and
+    ``num_heads * (head_dim + 1)`` more columns (the raw forget gate per key channel and beta)."""
+
+    def kda_state_shape(cls, tp_world_size, num_heads, head_dim, num_k_heads=None, head_k_dim=None,
+                        conv_kernel_size=4, num_spec=0):
+        conv, temporal = orig(cls, tp_world_size, num_heads, head_dim, num_k_heads, head_k_dim,
+                              history_rows(conv_kernel_size) + 1, num_spec)
+        return _widened(conv, num_heads // tp_world_size * (head_dim + 1)), temporal
+
+    kda_state_shape._vllm_bi = True
+    return kda_state_shape
 
 # --------------------------------------------------------------------------- speculative decoding
 # The GDN steps of a server with speculative decoding (``--speculative-config``), recurrent GDN mode.

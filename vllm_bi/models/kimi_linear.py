@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from vllm_bi.gdn.chunk import gdn_mode
 from vllm_bi.gdn.layer import gdn_varlen
 from vllm_bi.model_dir import read_tensors, write_checkpoint
 from vllm_bi.models.qwen_gdn import (completion_logprobs, decoder_layer, mlp_block, next_token_logprobs,
@@ -60,7 +61,8 @@ KDA_WEIGHTS = tuple(kda_shapes(1, 1, 1, 1))
 
 def kda_block(x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor], num_heads: int, head_dim: int,
               lower_bound: float | None = None) -> torch.Tensor:
-    """One KDA layer over packed sequences ``cu``, each from fp32 zero states: ``x [T, D]`` -> ``[T, D]``. ``w``: the
+    """One KDA layer over packed sequences ``cu``, each from fp32 zero states, in the settings' GDN mode (the server's):
+    ``x [T, D]`` -> ``[T, D]``. ``w``: the
     layer's tensors by their :data:`KDA_WEIGHTS` names (convs ``[H*K, 1, W]``, ``A_log`` any shape of ``H``
     elements, ``dt_bias [H*K]``); ``lower_bound``: the checkpoint's ``gate_lower_bound``. Differentiable in ``x`` and
     every weight."""
@@ -76,7 +78,7 @@ def kda_block(x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor], num
         torch.zeros((n, conv.shape[1] - 1, conv.shape[0]), dtype=x_TD.dtype, device=dev),
         w["A_log"].reshape(H).float(), forget, beta, w["dt_bias"].reshape(H * K),
         torch.zeros((n, H, K, K), dtype=torch.float32, device=dev), H, K, K,
-        packed=True, gating="kda", lower_bound=lower_bound,
+        mode=gdn_mode(), packed=True, gating="kda", lower_bound=lower_bound,
     )
     y = gated_rms_norm(o.to(x_TD.dtype), gate, w["o_norm.weight"], KDA_NORM_EPS, True, "sigmoid")
     return bi_linear(y.reshape(T, H * K), w["o_proj.weight"])

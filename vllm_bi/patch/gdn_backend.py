@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["skip_qwen_gdn_warmup", "wrap_state_shape"]
+__all__ = ["skip_qwen_gdn_warmup", "wrap_state_shape", "wrap_kda_state_shape"]
 
 logger = logging.getLogger("vllm_bi")
 
@@ -29,3 +29,11 @@ def wrap_state_shape(orig):
     from vllm_bi.model_executor.gdn import chunk_state_shape
 
     return classmethod(chunk_state_shape(orig.__func__))
+
+
+def wrap_kda_state_shape(orig):
+    """``MambaStateShapeCalculator.kda_state_shape`` (Kimi Linear's KDA layers) in the chunk-aligned mode: the same
+    widening (``model_executor.gdn.chunk_kda_state_shape``)."""
+    from vllm_bi.model_executor.gdn import chunk_kda_state_shape
+
+    return classmethod(chunk_kda_state_shape(orig.__func__))

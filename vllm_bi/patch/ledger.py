@@ -90,7 +90,8 @@ LEDGER: tuple[Patch, ...] = (
       for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu")),
     P("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention.forward", CPU,
       "stock runs Triton KDA kernels (no CPU forward) and a CUDA-only state gather",
-      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core, recurrent mode, fp32 state",
+      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core (recurrent or chunk mode), "
+      "fp32 state",
       "vllm_bi.model_executor.gdn:bi_kda_forward", GDN_PR,
       "vLLM's KDA forward is batch-invariant with the trainer's arithmetic"),
     # on import: importing the Kimi package before the worker starts pulls in numba, whose module objects vLLM's CPU
@@ -129,6 +130,10 @@ LEDGER: tuple[Patch, ...] = (
       "the chunk-aligned mode keeps a block's raw rows in the conv state", "a wider conv state",
       "vllm_bi.patch.gdn_backend:wrap_state_shape", wraps=True, when=CHUNK_MODE,
       remove_when="the GDN forward rows go"),
+    P("vllm.model_executor.layers.mamba.mamba_utils:MambaStateShapeCalculator.kda_state_shape", CPU,
+      "the chunk-aligned mode keeps a block's raw rows in the conv state (Kimi Linear's KDA layers)",
+      "a wider conv state", "vllm_bi.patch.gdn_backend:wrap_kda_state_shape", wraps=True, when=CHUNK_MODE,
+      remove_when="the KDA forward row goes"),
     # ------------------------------------------------------------------ worker RPC
     P("vllm.v1.worker.gpu_worker:Worker.vllm_bi_weight_digest", ALL,
       "a trainer must check that the server holds its weights", "new worker method (/collective_rpc)",

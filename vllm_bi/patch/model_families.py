@@ -29,8 +29,9 @@ SUPPORTED_LAYERS = {
 # architecture -> (the platforms it is served on, what makes it batch-invariant): models whose vLLM module also holds
 # state layers of other architectures (Kimi Linear shares its package with Kimi K3)
 SUPPORTED_ARCHITECTURES = {
-    "KimiLinearForCausalLM": (("cpu",), "its KDA layers in the recurrent GDN mode (model_executor.gdn.bi_kda_forward) "
-                              "and its MLA layers in one formulation (model_executor.attention.bi_mla_forward)"),
+    "KimiLinearForCausalLM": (("cpu",), "its KDA layers in the recurrent or chunk GDN mode "
+                              "(model_executor.gdn.bi_kda_forward) and its MLA layers in one formulation "
+                              "(model_executor.attention.bi_mla_forward)"),
 }
 _ROOT = "MambaBase"
 _MODEL_PREFIXES = ("vllm.model_executor.models.", "vllm.models.")
