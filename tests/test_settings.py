@@ -196,18 +196,18 @@ def test_arithmetic_resolves_for_the_device_and_the_diff_names_what_differs():
     assert S.diff(dict(tri, gemm_configs="abc"), tri) == [("gemm_configs", "abc", "none")]
     # a key an older server does not report is not compared
     assert S.diff({"gdn_mode": "recurrent"}, cpu) == []
-    # the log-softmax kernel gives other bits than the torch formula: off by default, named when the sides differ
-    assert cpu["logprobs"] == cuda["logprobs"] == S.LOGPROBS_AUTO_CUDA == "torch"
-    fused = S.Settings.from_env({"VLLM_BI_LOGPROBS": "triton"}).arithmetic("cuda")
-    assert S.diff(fused, cuda) == [("logprobs", "triton", "torch")]
-    assert "set VLLM_BI_LOGPROBS to the same value" in S.describe_diff(fused, cuda)
+    # the log-softmax kernel gives other bits than the torch formula: CUDA's default, named when the sides differ
+    assert cpu["logprobs"] == "torch" and cuda["logprobs"] == S.LOGPROBS_AUTO_CUDA == "triton"
+    formula = S.Settings.from_env({"VLLM_BI_LOGPROBS": "torch"}).arithmetic("cuda")
+    assert S.diff(formula, cuda) == [("logprobs", "torch", "triton")]
+    assert "set VLLM_BI_LOGPROBS to the same value" in S.describe_diff(formula, cuda)
 
 
 def test_digest_setting_parses_resolves_per_device_and_is_not_arithmetic():
     """``VLLM_BI_DIGEST`` picks the weight digest's implementation: auto is :data:`DIGEST_AUTO_CUDA` on CUDA and torch
     elsewhere, an explicit value is kept on every device, a bad one is refused in one line. Both implementations
     give the same digests, so it is no key of the arithmetic dict and two sides that differ on it are not told."""
-    assert S.DIGEST_AUTO_CUDA == "torch" and S.Settings().digest == "auto"
+    assert S.DIGEST_AUTO_CUDA == "triton" and S.Settings().digest == "auto"
     auto = S.Settings.from_env({"VLLM_BI_DIGEST": "auto"})
     assert (auto.digest, auto.digest_op("cuda"), auto.digest_op("cpu")) == ("auto", S.DIGEST_AUTO_CUDA, "torch")
     for raw, value in (("triton", "triton"), (" Torch ", "torch"), ("TRITON", "triton")):

@@ -67,16 +67,16 @@ CHUNK_DECODE_AUTO_CUDA = "host"
 # What VLLM_BI_LOGPROBS=auto runs on CUDA. The Triton kernels' bits differ from the torch formula's on some rows
 # (their sums run in another order), so a change here changes CUDA's bits, as DEFAULT_PRESET does, and lands with a
 # full GPU gate run. The portable preset keeps the torch formula.
-LOGPROBS_AUTO_CUDA = "torch"
+LOGPROBS_AUTO_CUDA = "triton"
 # What VLLM_BI_DIGEST=auto runs on CUDA. Both implementations give the same weight digests by construction, so this
 # decides no bits of a served token. The kernel gave the torch path's digests at full model size on the GPU
 # (benchmarks/weight_digest.py); as a change of a default CUDA path, the switch lands with a full GPU gate run.
-DIGEST_AUTO_CUDA = "torch"
+DIGEST_AUTO_CUDA = "triton"
 # Whether the reducing row kernels on CUDA (row_sum, the Triton RMSNorms) read their rows in one memory layout
 # (vllm_bi.ops.layout.canonical_rows) or as the caller holds them. A padded view gave row_sum other bits than a
 # contiguous tensor on the GPU; the copy into one layout fixes that, but it changes the bits of rows held in another
 # layout, so a change here lands with a full GPU gate run, as DEFAULT_PRESET does.
-CANONICAL_ROWS_CUDA = False
+CANONICAL_ROWS_CUDA = True
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),

@@ -72,3 +72,51 @@ def test_fused_recurrent_kda_is_batch_invariant_split_exact_and_close():
     err = float((o_all[:300].cpu().double() - ref).abs().max())
     print(f"fused_recurrent_kda vs float64: max abs {err:.2e}")
     assert err <= 3e-2, err
+
+
+def test_vllm_bi_kda_core_on_cuda_equals_fla_core_and_its_gradients_float64():
+    """vllm_bi's KDA core on CUDA: the trainer's forward (``gdn_recurrent_varlen`` with a per-channel decay) == fla-core's
+    fused recurrent gated delta rule with ``gk`` (fla-core's own ``fused_recurrent_kda`` is another kernel, with other
+    bits: 1.5e-5 apart on the H200), and the server's in-place step
+    (``gdn.slots.recurrent_in_slots``) == both, bit for bit (outputs and the states written into the slots), for
+    prefill lengths and a 256-request decode. Gradients through the trainer's forward (its backward recomputes in
+    torch) against float64: 2e-2 relative to each gradient's largest entry."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    from vllm_bi.gdn.recurrent import gdn_recurrent_varlen, gdn_torch_varlen
+    from vllm_bi.gdn.slots import recurrent_in_slots
+    from vllm_bi.ops.device import index_on
+
+    for lens in ([300, 17, 129, 1, 64], [1] * 256):
+        seqs = [_seq(T, 200 + i) for i, T in enumerate(lens)]
+        gen = torch.Generator().manual_seed(len(lens))
+        h0 = (torch.randn(len(lens), H, K, K, generator=gen) * 0.2).to(DEV)  # fla-core order [N, HV, K, V]
+        _, _, cu = _run(seqs, h0.clone())
+        q, k, v, a, b = (torch.cat([s[i] for s in seqs]).to(DEV) for i in range(5))
+        g, beta = kda_gating(A_LOG.to(DEV), a, b, DT_BIAS.to(DEV), -5.0)
+        o_fla, ht_fla = fused_recurrent_gated_delta_rule(
+            q=q[None], k=k[None], v=v[None], gk=g[None].float().contiguous(), beta=beta[None].contiguous(),
+            scale=K**-0.5, initial_state=h0.clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=torch.tensor(cu, device=DEV))
+        o_fla = o_fla[0].float()
+        o_tr, fin_tr = gdn_recurrent_varlen(q, k, v, g, beta, h0.transpose(-1, -2).contiguous(), cu, K**-0.5)
+        assert torch.equal(o_tr.float(), o_fla) and torch.equal(fin_tr.transpose(-1, -2), ht_fla), lens[:6]
+        pool = h0.clone()
+        slots = torch.arange(len(lens), device=DEV)
+        o_srv = recurrent_in_slots(q, k, v, g.contiguous(), beta.contiguous(), pool, slots, index_on(cu, DEV), K**-0.5)
+        assert torch.equal(o_srv.float(), o_fla) and torch.equal(pool, ht_fla), lens[:6]
+    seqs = [_seq(T, 300 + i) for i, T in enumerate([40, 7])]
+    q, k, v, a, b = (torch.cat([s[i] for s in seqs]).to(DEV) for i in range(5))
+    g, beta = kda_gating(A_LOG.to(DEV), a, b, DT_BIAS.to(DEV), -5.0)
+    leaves = [t.float().detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+    st = torch.zeros(2, H, K, K, device=DEV)
+    o, _ = gdn_recurrent_varlen(*leaves, st, [0, 40, 47], K**-0.5)
+    w = torch.randn(o.shape, generator=torch.Generator().manual_seed(5)).to(DEV)
+    got = torch.autograd.grad((o.float() * w).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    o64, _ = gdn_torch_varlen(*(t.unsqueeze(0) for t in ref_leaves), st.double(), torch.tensor([0, 40, 47]), K**-0.5)
+    ref = torch.autograd.grad((o64[0] * w.double()).sum(), ref_leaves)
+    for name, a_, r in zip("q k v g beta".split(), got, ref):
+        err = float((a_.double() - r).abs().max() / r.abs().max())
+        print(f"KDA gradient {name}: max rel err {err:.2e}")
+        assert err <= 2e-2, (name, err)

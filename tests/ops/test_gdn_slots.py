@@ -99,6 +99,64 @@ def test_recurrent_in_slots_logic_in_interpreter(interpreted):
     interpreted(SCRIPT)
 
 
+KDA = """
+import torch
+from vllm_bi.gdn.slots import recurrent_in_slots
+
+torch.manual_seed(1)
+H = HV = 2
+K = V = 16
+S = 5
+lens, slots = [4, 1, 6], [3, 0, 2]
+T = sum(lens)
+cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+q, k, v = (torch.randn(T, H, K).bfloat16() for _ in range(3))
+g = -torch.rand(T, HV, K) * 0.5  # a decay per key channel
+beta = torch.rand(T, HV)
+pool0 = torch.randn(S, HV, K, V) * 0.3
+scale = K ** -0.5
+
+pool = pool0.clone()
+o = recurrent_in_slots(q, k, v, g, beta, pool, torch.tensor(slots), cu, scale)
+for i in range(len(lens)):
+    st = pool0[slots[i]].double()
+    for t in range(int(cu[i]), int(cu[i + 1])):
+        for h in range(HV):
+            qt, kt = q[t, h].double(), k[t, h].double()
+            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
+            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
+            st[h] = st[h] * torch.exp(g[t, h].double())[:, None]  # each key row of the [K, V] state
+            vt = beta[t, h].double() * (v[t, h].double() - kt @ st[h])
+            st[h] = st[h] + torch.outer(kt, vt)
+            ref = qt @ st[h]
+            assert float((o[t, h].double() - ref).abs().max() / ref.abs().max()) <= 1e-2, (i, t, h)
+    assert float((pool[slots[i]].double() - st).abs().max() / st.abs().max()) <= 1e-5, i
+
+# sequence 2 alone: the same bits as in the batch
+alone = pool0.clone()
+o2 = recurrent_in_slots(q[cu[2]:], k[cu[2]:], v[cu[2]:], g[cu[2]:], beta[cu[2]:], alone, torch.tensor([slots[2]]),
+                        torch.tensor([0, lens[2]]), scale)
+assert torch.equal(o2, o[cu[2]:]) and torch.equal(alone[slots[2]], pool[slots[2]])
+
+# a per-channel decay equal across the channels gives the per-head decay's bits; a different one other bits
+per_head = -torch.rand(T, HV) * 0.5
+a, b = pool0.clone(), pool0.clone()
+oa = recurrent_in_slots(q, k, v, per_head, beta, a, torch.tensor(slots), cu, scale)
+ob = recurrent_in_slots(q, k, v, per_head[:, :, None].expand(T, HV, K).contiguous(), beta, b, torch.tensor(slots), cu,
+                        scale)
+assert torch.equal(oa, ob) and torch.equal(a, b)
+assert not torch.equal(o, oa)
+print("ok")
+"""
+
+
+def test_recurrent_in_slots_per_channel_decay_in_interpreter(interpreted):
+    """Kimi Delta Attention's decay per key channel (fla-core's ``gk``): against a float64 recurrence (outputs 1e-2,
+    bf16-rounded; states 1e-5, relative), alone == batched exactly, and a per-channel decay equal across the
+    channels == the per-head decay bit for bit."""
+    interpreted(KDA)
+
+
 GLUE = """
 import sys
 from unittest import mock

@@ -138,12 +138,13 @@ class FLAGatedDeltaRule(torch.autograd.Function):
     ``kind="chunk"`` its chunked kernel (the chunk-aligned mode; callers pin its configs,
     :func:`vllm_bi.gdn.chunk.pin_fla_chunk_configs`). fla-core layout: ``q, k [1, T, H, K]``,
     ``v [1, T, HV, V]``, ``g, beta [1, T, HV]``, ``h0 [N, HV, K, V]`` fp32, ``cu`` a LongTensor; l2norm of q
-    and k in the kernel. Returns ``(o, final states)``.
+    and k in the kernel. ``g [1, T, HV, K]`` (recurrent only) is a decay per key channel, fla-core's ``gk``.
+    Returns ``(o, final states)``.
 
     Backward: fla-core's chunked backward. ``kind="chunk"`` keeps the forward's own autograd graph (fla-core's
     forward is the same computation with or without gradients, so the bits are the server's) and differentiates
-    it; ``kind="recurrent"`` recomputes the forward with the chunked kernel first. Where fla-core refuses its
-    chunked backward (Hopper with Triton < 3.7.1 and no tilelang), the same math in torch
+    it; ``kind="recurrent"`` recomputes the forward with the chunked kernel first (with a per-channel decay,
+    which that kernel does not take, :func:`gdn_torch_varlen`). Where fla-core refuses its chunked backward (Hopper with Triton < 3.7.1 and no tilelang), the same math in torch
     (:func:`gdn_torch_varlen`). Only the forward has to match the server bit for bit."""
 
     @staticmethod
@@ -169,6 +170,8 @@ class FLAGatedDeltaRule(torch.autograd.Function):
         try:
             if graph is not None:
                 grads = _graph_grads(*graph, do, dht)
+            elif g.dim() == 4:  # a decay per key channel: fla-core's gated chunk kernel takes one per head
+                grads = _recompute_grads(gdn_torch_varlen, q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
             else:
                 grads = _recompute_grads(_FLA_FORWARDS["chunk"], q, k, v, g, beta, h0, cu, ctx.scale, do, dht)
         except RuntimeError as e:
@@ -182,9 +185,10 @@ class FLAGatedDeltaRule(torch.autograd.Function):
 def _fla_recurrent(q, k, v, g, beta, h0, cu, scale):
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
+    per_channel = g.dim() == 4  # [1, T, HV, K]: Kimi Delta Attention's decay per key channel, fla-core's gk
     return fused_recurrent_gated_delta_rule(
-        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=h0, output_final_state=True,
-        cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+        q=q, k=k, v=v, g=None if per_channel else g, gk=g if per_channel else None, beta=beta, scale=scale,
+        initial_state=h0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
     )
 
 
@@ -274,7 +278,8 @@ def gdn_recurrent_varlen(
     cu_seqlens: list[int],
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed sequences: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]``, ``states [N, HV, V, K]`` fp32.
+    """Packed sequences: ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a
+    decay per key channel), ``states [N, HV, V, K]`` fp32.
 
     Returns ``(o [T, HV, V], final states [N, HV, V, K] fp32)``. ``o`` is fp32 on CPU and
     ``v.dtype`` on CUDA. Every sequence starts from its explicit state (zeros for a new one).

@@ -12,7 +12,8 @@ the bits to be the trainer's, it repeats that kernel's per-element operations in
 tile (``[K, 8]`` of the ``[K, V]`` state per program, one warp, three stages), with fla-core's own ``exp``:
 
 * q and k of each token: fp32, divided by ``sqrt(sum(x * x) + 1e-6)``; q then times ``scale``;
-* the state tile times ``exp(g)``; ``v' = beta * (v - sum_k(S * k))``; ``S += k v'^T``; ``o = sum_k(S * q)``;
+* the state tile times ``exp(g)`` (a per-key-channel ``g``, Kimi Delta Attention's, scales each row of the tile:
+  fla-core's ``gk``); ``v' = beta * (v - sum_k(S * k))``; ``S += k v'^T``; ``o = sum_k(S * q)``;
 * the state starts as ``0 + S0`` (fla-core adds its loaded initial state to zeros), or 0 for a new request.
 
 Only the addresses differ. ``tests/gpu/test_gdn_cuda.py`` checks ``torch.equal`` against fla-core's kernel on
@@ -47,7 +48,7 @@ if triton is not None:
     @triton.jit
     def _step_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, fresh, cu, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr):
+                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr, GK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         n_vb = tl.cdiv(V, BVC)
         vb, seq_head = pid % n_vb, pid // n_vb
@@ -74,7 +75,10 @@ if triton is not None:
             kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
             qt = qt * scale
             bt = tl.load(beta + t * HV + hv).to(tl.float32)
-            S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
+            if GK:  # a decay per key channel (Kimi Delta Attention): fla-core's gk
+                S *= fla_exp(tl.load(g + (t * HV + hv) * K + ks, mask=k_ok, other=0).to(tl.float32))[:, None]
+            else:
+                S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
             vt = bt * (vt - tl.sum(S * kt[:, None], 0))
             S += kt[:, None] * vt
             ot = tl.sum(S * qt[:, None], 0)
@@ -101,7 +105,8 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
                        fresh: torch.Tensor | None = None) -> torch.Tensor:
     """Run packed sequences through the recurrence, each from and into its state slot.
 
-    ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (l2norm of q and k inside, as fla-core's
+    ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a decay per key
+    channel) (l2norm of q and k inside, as fla-core's
     ``use_qk_l2norm_in_kernel``); ``pool [S, HV, K, V]`` fp32, fla-core's state order, each slot contiguous
     (vLLM may pad the stride between slots), updated in place;
     ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
@@ -118,5 +123,5 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     grid = (triton.cdiv(V, BV) * N * HV,)
     _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
                          H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=BV, HAS_FRESH=fresh is not None,
-                         num_warps=1, num_stages=3)
+                         GK=g.dim() == 3, num_warps=1, num_stages=3)
     return o
