@@ -1,10 +1,11 @@
-"""Tensor parallelism on CPU: `vllm serve --tensor-parallel-size 2` (two worker
-processes, one core each) with VLLM_BATCH_INVARIANT=1 on a small dense Qwen3.5 and a small Qwen3.5-MoE whose
-GDN and attention heads and expert MLPs split over 2 ranks. Row-parallel layers add exact float64 partials across ranks and round once, so:
-P1 holds within the TP=2 server, and the (unsharded) trainer reproduces every sampled token's logprob
-bit for bit (P4) — i.e. TP=2 gives the TP=1 bits. Measured before that fix (docs/parity.md): 0 of 48
-logprobs equal between TP=2 and TP=1. MoE: each expert's down projection (routed and shared) adds its exact
-float64 partials across ranks before rounding, and the MoE runner's all-reduce is skipped."""
+"""Tensor parallelism on CPU: `vllm serve --tensor-parallel-size 2` (two worker processes, one core each) with
+VLLM_BATCH_INVARIANT=1 on a small Qwen3.5-MoE whose GDN and attention heads, expert MLPs and shared-expert MLP (the
+dense MLP's column- and row-parallel layers) split over 2 ranks. Row-parallel layers add exact float64 partials across
+ranks and round once, so: P1 holds within the TP=2 server, and the (unsharded) trainer reproduces every sampled
+token's logprob bit for bit (P4) — i.e. TP=2 gives the TP=1 bits. Measured before that fix (docs/parity.md): 0 of 48
+logprobs equal between TP=2 and TP=1. MoE: each expert's down projection (routed and shared) adds its exact float64
+partials across ranks before rounding, and the MoE runner's all-reduce is skipped. One engine serves every test
+here (a dense model's TP=2 engine covered nothing the MoE model's shared expert does not)."""
 
 import os
 
@@ -19,8 +20,9 @@ from vllm_bi.tiny_models import SPECS, build_tiny_model
 pytestmark = pytest.mark.server
 
 
-def _tp2(family: str, name: str):
-    model = build_tiny_model(family, os.path.abspath(os.path.join(MODEL_ROOT, name)),
+@pytest.fixture(scope="module")
+def tp_moe_run():
+    model = build_tiny_model("qwen3.5-moe", os.path.abspath(os.path.join(MODEL_ROOT, "qwen3.5-moe-tp-s0")),
                              spec=SPECS["tp"])
     env = cpu_env(True, {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_SERVER_DEV_MODE": "1"})
     args = ["--tensor-parallel-size", "2", "--max-num-batched-tokens", "32", "--max-num-seqs", "16",
@@ -30,32 +32,16 @@ def _tp2(family: str, name: str):
         yield model, res, srv
 
 
-@pytest.fixture(scope="module")
-def tp_run():
-    yield from _tp2("qwen3.5", "qwen3.5-tp-s0")
+def test_tp2_moe_p1_batch_invariance(tp_moe_run):
+    assert check_p1(tp_moe_run[1], "qwen3.5-moe TP=2 mnbt=32") == 8
 
 
-@pytest.fixture(scope="module")
-def tp_moe_run():
-    yield from _tp2("qwen3.5-moe", "qwen3.5-moe-tp-s0")
-
-
-def test_tp2_p1_batch_invariance(tp_run):
-    assert check_p1(tp_run[1], "qwen3.5 TP=2 mnbt=32") == 8
-
-
-def test_tp2_server_equals_unsharded_trainer(tp_run):
-    model, res, _ = tp_run
-    assert check_p4(model, "qwen3.5 TP=2 vs unsharded trainer", res) > 100
-
-
-def test_tp2_moe_p1_and_server_equals_unsharded_trainer(tp_moe_run):
+def test_tp2_moe_server_equals_unsharded_trainer(tp_moe_run):
     model, res, _ = tp_moe_run
-    assert check_p1(res, "qwen3.5-moe TP=2 mnbt=32") == 8
     assert check_p4(model, "qwen3.5-moe TP=2 vs unsharded trainer", res) > 100
 
 
-def test_rl_trainer_against_the_tp2_server(tp_run, tmp_path):
+def test_rl_trainer_against_the_tp2_server(tp_moe_run, tmp_path):
     """The RL trainer pushes its weights into the TP = 2 server (each worker loads its shard) and stays at a
     logprob diff of exactly 0.0; the weight digest compares one worker's full weights, so it is refused
     with a TP server unless --verify-weights false, with a message saying so."""
@@ -63,7 +49,7 @@ def test_rl_trainer_against_the_tp2_server(tp_run, tmp_path):
     import subprocess
     import sys
 
-    model, _, srv = tp_run
+    model, _, srv = tp_moe_run
     base = [sys.executable, "-m", "vllm_bi.trainer", "--server-url", srv.url, "--model", model, "--steps", "2",
             "--prompts-per-step", "2", "--group-size", "4", "--max-tokens", "8", "--progress", "false",
             "--tensorboard", "false"]
