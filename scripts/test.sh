@@ -20,12 +20,13 @@ else
   # The whole suite in two pytest processes at once: most of its time is vLLM engines starting and serving, and
   # vLLM binds a CPU engine's compute threads to core 0 by default; so each shard's engines get a core of their own
   # (VLLM_CPU_OMP_THREADS_BIND; the tensor-parallel test sets its two ranks' cores itself). Shard A holds the
-  # serving, tensor-parallel, CLI, parity-CLI, weight-reload and TRL modules, shard B the rest (about half the time each); the logs are printed one
-  # after the other when both are done.
+  # serving, tensor-parallel, CLI, parity-CLI, weight-reload, TRL, benchmark and non-finite-guard modules, shard B
+  # the rest (about half the time each); the logs are printed one after the other when both are done.
   A=(tests/e2e/test_serving_qwen3_next.py tests/e2e/test_serving_qwen3_5.py tests/e2e/test_tensor_parallel.py
      tests/e2e/test_cli.py tests/e2e/test_chunk_mode.py tests/e2e/test_diag.py
      tests/test_patch_ledger.py tests/e2e/test_weight_reload.py tests/e2e/test_speculative.py
-     tests/integrations/test_trl_grpo.py tests/e2e/test_parity_cli.py)
+     tests/integrations/test_trl_grpo.py tests/e2e/test_parity_cli.py tests/e2e/test_benchmarks.py
+     tests/e2e/test_nonfinite_guard.py)
   B=(); for f in "${A[@]}"; do B+=(--ignore "$f"); done
   # Each shard's pytest process (and what it starts) on that core too: a shard's own torch work (the trainer's
   # recomputes, the interpreter kernels) spread over both cores slowed the other shard's engine down.
