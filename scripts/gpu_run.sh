@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run ON the GPU machine (an H200 with no network, python3 with torch 2.11+cu130).
-#   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;], serve-parity [ARGS ;],
+#   scripts/gpu_run.sh [JOB ...]     JOB: install (default), check, kernels, pytest [ARGS ;] (VLLM_BI_PYTEST_TIMEOUT=S
+#                                    stops it after S seconds; its servers' logs -> $OUT/server-logs.tar.gz), serve-parity [ARGS ;],
 #                                    suite [ARGS ;] (scripts/gpu_suite.py), gate [ARGS ;] (scripts/gpu_gate.py), bench [ARGS ;] (benchmarks/gdn_layer.py ARGS: forward, layer, train; bi_gemm.py),
 #                                    gemm-tune [ARGS ;] (benchmarks/bi_gemm_tune.py: Triton GEMM tiles -> $OUT/bi_gemm_tiles.json),
 #                                    moe [ARGS ;] (benchmarks/moe_layer.py: MoE experts, BI loop / triton vs stock),
@@ -112,6 +113,17 @@ if half_tilelang && [ "$*" != install ]; then
        "(carry .gpu_bundle/part5 in the next call), then run jobs" >&2
   exit 2
 fi
+# After a test run (passed, failed or stopped by VLLM_BI_PYTEST_TIMEOUT): stop the vLLM servers it left (they run in
+# sessions of their own, so a stopped pytest leaves them holding the GPU for the next job) and bring back the server
+# logs written since the stamp file, as $OUT/server-logs.tar.gz.
+end_servers() {
+  pkill -9 -f "$SITE/bin/vllm serve" 2>/dev/null || true
+  pkill -9 -f "VLLM::EngineCore" 2>/dev/null || true
+  local logs; logs=$(find /tmp -maxdepth 1 -name 'vllm_bi_server_*.log' -newer "$1" 2>/dev/null || true)
+  [ -n "$logs" ] && tar -czf "$LOG/server-logs.tar.gz" $logs 2>/dev/null || true
+  rm -f "$1"
+}
+
 while [ $# -gt 0 ]; do
   job="$1"; shift
   case "$job" in
@@ -120,7 +132,10 @@ while [ $# -gt 0 ]; do
     kernels) python3 -m pytest -p no:cacheprovider -m gpu "$REPO/tests/gpu" -v -rs 2>&1 | tee "$LOG/kernels.log" ;;
     pytest)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
-      ( cd "$REPO" && python3 -m pytest -p no:cacheprovider -m gpu -v -rs -s "${args[@]}" ) 2>&1 | tee "$LOG/pytest.log" ;;
+      stamp=$(mktemp)
+      ( cd "$REPO" && timeout -k 10 "${VLLM_BI_PYTEST_TIMEOUT:-0}" python3 -m pytest -p no:cacheprovider -m gpu -v -rs -s \
+        "${args[@]}" ) 2>&1 | tee "$LOG/pytest.log" || true
+      end_servers "$stamp" ;;
     serve-parity)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
       python3 "$REPO/scripts/gpu_serve_parity.py" --out "$LOG" "${args[@]}" 2>&1 | tee "$LOG/serve-parity.log" ;;
