@@ -12,6 +12,17 @@ import pytest
 pytestmark = pytest.mark.server
 
 MOE_ENV = {"VLLM_BI_MOE": "triton", "TRITON_INTERPRET": "1"}
+# three short prompts, 2 samples of 6 tokens each: every expert kernel runs interpreted, on the server and in the
+# trainer, so each token costs seconds
+PROMPTS = ["The grouped kernels sort", "Seven experts of", "A short third prompt about routing tokens"]
+TOKENS = len(PROMPTS) * 2 * 6
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe-prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -21,13 +32,13 @@ def server(bi_server):
         yield srv.model, srv.url
 
 
-def test_trainer_equals_server_with_the_grouped_moe_kernels(server, parity_cli):
+def test_trainer_equals_server_with_the_grouped_moe_kernels(server, parity_cli, prompts_file):
     model, url = server
-    r = parity_cli("--model", model, "--server", url, "--n", "2", "--max-tokens", "8", "--json",
-                   env=MOE_ENV)
+    r = parity_cli("--model", model, "--server", url, "--prompts", prompts_file, "--n", "2", "--max-tokens", "6",
+                   "--json", env=MOE_ENV)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["tokens"] == 8 * 2 * 8 and rep["bitwise_equal"] == rep["tokens"], rep
+    assert rep["tokens"] == TOKENS and rep["bitwise_equal"] == rep["tokens"], rep
     assert "MoE experts triton" in rep["settings"], rep
 
 
@@ -39,12 +50,13 @@ def test_a_trainer_on_the_loop_path_is_refused(server, parity_cli):
     assert "VLLM_BI_MOE" in r.stderr and "triton" in r.stderr
 
 
-def test_a_server_on_the_exact_kernels_gives_the_loop_paths_bits(bi_server, parity_cli):
+@pytest.mark.extended  # the float64 kernels interpreted: minutes; tests/ops/test_moe_triton.py checks their bits
+def test_a_server_on_the_exact_kernels_gives_the_loop_paths_bits(bi_server, parity_cli, prompts_file):
     pytest.importorskip("triton")
     with bi_server("qwen3.5-moe", {"VLLM_BI_MOE": "exact", "TRITON_INTERPRET": "1"}) as srv:
-        r = parity_cli("--model", srv.model, "--server", srv.url, "--n", "2", "--max-tokens", "8", "--json",
-                       env={"VLLM_BI_MOE": "loop"})
+        r = parity_cli("--model", srv.model, "--server", srv.url, "--prompts", prompts_file, "--n", "2",
+                       "--max-tokens", "6", "--json", env={"VLLM_BI_MOE": "loop"})
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     rep = json.loads(r.stdout.strip().splitlines()[-1])
-    assert rep["tokens"] == 8 * 2 * 8 and rep["bitwise_equal"] == rep["tokens"], rep
+    assert rep["tokens"] == TOKENS and rep["bitwise_equal"] == rep["tokens"], rep
     assert "MoE experts loop" in rep["settings"], rep
