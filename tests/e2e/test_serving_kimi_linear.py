@@ -1,6 +1,8 @@
 """Kimi Linear (KDA and MLA mixers, a sigmoid-routed MoE) under ``VLLM_BATCH_INVARIANT=1`` on CPU, over HTTP with one
-`vllm serve` of a small random checkpoint: P1-P4, then two steps of an FSDP2-sharded RL trainer (two processes)
-against the same server at a logprob gap of 0.0 (its weight pushes reload the server's weights, so it runs last).
+`vllm serve` of a small random checkpoint per GDN mode: P1-P4, then two steps of an FSDP2-sharded RL trainer (two
+processes) against the same server at a logprob gap of 0.0 (its weight pushes reload the server's weights, so it runs
+last). The recurrent mode runs in CI; the chunk mode (server, trainer and the checks here all in it) in the extended
+tier (`-m extended`).
 
 The server prefills at most 32 tokens a step with prefix caching on (vLLM's CPU platform turns both off for MLA
 models; vllm_bi keeps them for Kimi Linear), so every prompt but the shortest is split, at other places alone than
@@ -28,11 +30,23 @@ ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024", "--max-num-batched-to
 MODES = {"seeded": SEEDED}  # sampled at temperature 1 with a seed (the Qwen families' tests also run greedy)
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_model_path, tmp_path_factory):
-    model = tiny_model_path("kimi-linear")
-    run_dir = tmp_path_factory.mktemp("rl")
+@pytest.fixture(scope="module", params=["recurrent", pytest.param("chunk", marks=pytest.mark.extended)])
+def runs(request, tiny_model_path, tmp_path_factory):
+    from vllm_bi import settings
+
+    with pytest.MonkeyPatch.context() as mp:  # the server, the trainer and this process's checks in one mode
+        mp.setenv("VLLM_BI_GDN_MODE", request.param)
+        settings.reload()
+        try:
+            yield _serve(tiny_model_path("kimi-linear"), tmp_path_factory.mktemp("rl"), request.param)
+        finally:
+            mp.undo()
+            settings.reload()
+
+
+def _serve(model, run_dir, mode):
     with VllmServer(model, args=ARGS, env=cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})) as srv:
+        assert srv.collective_rpc("vllm_bi_info")[0]["gdn_mode"] == mode
         prompts = make_prompts(seed=1, batches=3)
         res = run_scenarios(srv, prompts, MODES)
         srv.reset_prefix_cache()
