@@ -113,12 +113,16 @@ if half_tilelang && [ "$*" != install ]; then
        "(carry .gpu_bundle/part5 in the next call), then run jobs" >&2
   exit 2
 fi
-# After a test run (passed, failed or stopped by VLLM_BI_PYTEST_TIMEOUT): stop the vLLM servers it left (they run in
-# sessions of their own, so a stopped pytest leaves them holding the GPU for the next job) and bring back the server
-# logs written since the stamp file, as $OUT/server-logs.tar.gz.
-end_servers() {
+# vLLM servers a test started run in sessions of their own, so a stopped pytest (or a device call cut off at its
+# limit) leaves them holding the GPU for the next job on a warm machine: stop_servers ends them, before a test run
+# and after it. end_servers also brings back the server logs written since the stamp file, as
+# $OUT/server-logs.tar.gz.
+stop_servers() {
   pkill -9 -f "$SITE/bin/vllm serve" 2>/dev/null || true
   pkill -9 -f "VLLM::EngineCore" 2>/dev/null || true
+}
+end_servers() {
+  stop_servers
   local logs; logs=$(find /tmp -maxdepth 1 -name 'vllm_bi_server_*.log' -newer "$1" 2>/dev/null || true)
   [ -n "$logs" ] && tar -czf "$LOG/server-logs.tar.gz" $logs 2>/dev/null || true
   rm -f "$1"
@@ -132,7 +136,7 @@ while [ $# -gt 0 ]; do
     kernels) python3 -m pytest -p no:cacheprovider -m gpu "$REPO/tests/gpu" -v -rs 2>&1 | tee "$LOG/kernels.log" ;;
     pytest)
       args=(); while [ $# -gt 0 ] && [ "$1" != ";" ]; do args+=("$1"); shift; done; [ $# -gt 0 ] && shift
-      stamp=$(mktemp)
+      stop_servers; stamp=$(mktemp)
       ( cd "$REPO" && timeout -k 10 "${VLLM_BI_PYTEST_TIMEOUT:-0}" python3 -m pytest -p no:cacheprovider -m gpu -v -rs -s \
         "${args[@]}" ) 2>&1 | tee "$LOG/pytest.log" || true
       end_servers "$stamp" ;;
