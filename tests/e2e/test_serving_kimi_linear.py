@@ -34,14 +34,13 @@ MODES = {"seeded": SEEDED}  # sampled at temperature 1 with a seed (the Qwen fam
 def runs(request, tiny_model_path, tmp_path_factory):
     from vllm_bi import settings
 
-    with pytest.MonkeyPatch.context() as mp:  # the server, the trainer and this process's checks in one mode
-        mp.setenv("VLLM_BI_GDN_MODE", request.param)
-        settings.reload()
-        try:
-            yield _serve(tiny_model_path("kimi-linear"), tmp_path_factory.mktemp("rl"), request.param)
-        finally:
-            mp.undo()
+    try:
+        with pytest.MonkeyPatch.context() as mp:  # the server, the trainer and this process's checks in one mode
+            mp.setenv("VLLM_BI_GDN_MODE", request.param)
             settings.reload()
+            yield _serve(tiny_model_path("kimi-linear"), tmp_path_factory.mktemp("rl"), request.param)
+    finally:
+        settings.reload()  # the environment as it was
 
 
 def _serve(model, run_dir, mode):

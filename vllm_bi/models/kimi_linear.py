@@ -63,8 +63,8 @@ def kda_block(x_TD: torch.Tensor, cu: list[int], w: dict[str, torch.Tensor], num
               lower_bound: float | None = None) -> torch.Tensor:
     """One KDA layer over packed sequences ``cu``, each from fp32 zero states, in the settings' GDN mode (the server's):
     ``x [T, D]`` -> ``[T, D]``. ``w``: the layer's tensors by their :data:`KDA_WEIGHTS` names (convs ``[H*K, 1, W]``,
-    ``A_log`` any shape of ``H`` elements, ``dt_bias [H*K]``); ``lower_bound``: the checkpoint's ``gate_lower_bound``. Differentiable in ``x`` and
-    every weight."""
+    ``A_log`` any shape of ``H`` elements, ``dt_bias [H*K]``); ``lower_bound``: the checkpoint's
+    ``gate_lower_bound``. Differentiable in ``x`` and every weight."""
     T, H, K = x_TD.shape[0], num_heads, head_dim
     mixed = torch.cat([bi_linear(x_TD, w[f"{n}_proj.weight"]) for n in "qkv"], dim=-1)  # [T, 3*H*K]
     conv = torch.cat([w[f"{n}_conv1d.weight"] for n in "qkv"]).reshape(3 * H * K, -1).float()
