@@ -77,6 +77,10 @@ DIGEST_AUTO_CUDA = "triton"
 # contiguous tensor on the GPU; the copy into one layout fixes that, but it changes the bits of rows held in another
 # layout, so a change here lands with a full GPU gate run, as DEFAULT_PRESET does.
 CANONICAL_ROWS_CUDA = True
+# What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
+# here runs a CUDA path that a full GPU gate showed exact. VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
+CUDA_FEATURES: tuple[str, ...] = ()
+PREVIEW_FEATURES = ("speculative", "kimi-linear")
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -117,6 +121,10 @@ SETTINGS = (
           "every GDN layer checks its values and logs the first non-finite one (host reads: debugging only)"),
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
+    _Spec("cuda_preview", "none", ("none", *PREVIEW_FEATURES, "all"),
+          "run a CUDA path no GPU gate has shown exact yet, for measuring: speculative decoding (MTP drafts "
+          "verified by exact match in vLLM's V2 model runner), Kimi Linear (KDA in the recurrent mode, MLA over "
+          "TRITON_MLA), or all; none refuses them on CUDA by name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )
@@ -181,6 +189,7 @@ class Settings:
     debug_nonfinite: bool = False
     allow_unverified_device: bool = False
     allow_unverified_tp: bool = False
+    cuda_preview: str = "none"
     cache_dir: str = ""
     origin: tuple = ()  # (name, "env" | "config" | "preset") of every value that is not the default
 
@@ -228,6 +237,12 @@ class Settings:
         return dict(self.origin).get(name, "default")
 
     # ------------------------------------------------------------------ resolved for a device
+    def cuda_feature(self, name: str) -> bool:
+        """Whether CUDA runs ``name`` (one of :data:`PREVIEW_FEATURES`): gated (:data:`CUDA_FEATURES`) or previewed."""
+        if name not in PREVIEW_FEATURES:
+            raise ValueError(f"unknown CUDA feature {name!r}; one of {', '.join(PREVIEW_FEATURES)}")
+        return name in CUDA_FEATURES or self.cuda_preview in (name, "all")
+
     def attention_op(self, device: str) -> str:
         """The attention op on ``device`` (``triton`` or ``torch``)."""
         if self.attention == "auto":
