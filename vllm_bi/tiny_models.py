@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from vllm_bi.errors import OutputExists, UsageError
 
-__all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "build_tiny_model", "build_tokenizer", "corpus",
+__all__ = ["FAMILIES", "SPECS", "TinyModelSpec", "add_mtp_layer", "build_tiny_model", "build_tokenizer", "corpus",
            "kimi_linear_config", "build_tiny_kimi_linear"]
 
 FAMILIES = ("qwen3-next", "qwen3.5", "qwen3.5-moe", "kimi-linear")
@@ -347,3 +347,38 @@ def build_tiny_kimi_linear(path: str, seed: int = 0, **config) -> str:
     save_file({k: v.contiguous() for k, v in model.hf_state_dict().items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     return path
+
+
+def add_mtp_layer(src: str, dst: str, seed: int = 1) -> str:
+    """A copy of the tiny Qwen model ``src`` with one random MTP layer (its full-attention layer's shapes) and its LM
+    head narrowed to tokens 7 and 11 (rows ``v`` and ``-v``, every other row zero), so that target and drafter agree
+    often enough for drafts to be kept, in runs of different lengths."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("vllm_bi_tiny.json"))
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_nextn_predict_layers"] = cfg["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    path = os.path.join(dst, "model.safetensors")
+    sd = load_file(path)
+    g = torch.Generator().manual_seed(seed)
+    full = f"model.layers.{cfg['layer_types'].index('full_attention')}."
+    for name, t in list(sd.items()):
+        if name.startswith(full):
+            noise = torch.randn(t.shape, generator=g)
+            sd["mtp.layers.0." + name[len(full):]] = (t.float() + 0.1 * noise if t.ndim == 1 else 0.02 * noise).to(t.dtype)
+    H = cfg["hidden_size"]
+    sd["mtp.fc.weight"] = (0.02 * torch.randn(H, 2 * H, generator=g)).to(torch.bfloat16)
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        sd[f"mtp.{name}.weight"] = sd["model.norm.weight"].clone()
+    head = sd["lm_head.weight"]
+    row = head[7].float() * 4
+    narrow = torch.zeros(head.shape)
+    narrow[7], narrow[11] = row, -row
+    sd["lm_head.weight"] = narrow.to(head.dtype)
+    save_file(sd, path, metadata={"format": "pt"})
+    return dst

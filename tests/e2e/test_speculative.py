@@ -10,7 +10,6 @@ multi-token verify is another kernel than its decode)."""
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from vllm_bi.client import ServerError
 from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.parity import trainer_logprobs
+from vllm_bi.tiny_models import add_mtp_layer
 
 pytestmark = pytest.mark.server
 
@@ -26,39 +26,6 @@ K = 3  # draft tokens per step
 ARGS = ["--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--no-enable-prefix-caching"]
 SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
 PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 40, 150)] + [[5, 900, 31, 7, 7, 7, 64, 2]]
-
-
-def add_mtp_layer(src: str, dst: str, seed: int = 1) -> str:
-    """A copy of the tiny model ``src`` with one random MTP layer (a copy of its full-attention layer's shapes) and its
-    LM head narrowed to tokens 7 and 11."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("vllm_bi_tiny.json"))
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_nextn_predict_layers"] = cfg["mtp_num_hidden_layers"] = 1
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
-    path = os.path.join(dst, "model.safetensors")
-    sd = load_file(path)
-    g = torch.Generator().manual_seed(seed)
-    full = f"model.layers.{cfg['layer_types'].index('full_attention')}."
-    for name, t in list(sd.items()):
-        if name.startswith(full):
-            noise = torch.randn(t.shape, generator=g)
-            sd["mtp.layers.0." + name[len(full):]] = (t.float() + 0.1 * noise if t.ndim == 1 else 0.02 * noise).to(t.dtype)
-    H = cfg["hidden_size"]
-    sd["mtp.fc.weight"] = (0.02 * torch.randn(H, 2 * H, generator=g)).to(torch.bfloat16)
-    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        sd[f"mtp.{name}.weight"] = sd["model.norm.weight"].clone()
-    head = sd["lm_head.weight"]
-    row = head[7].float() * 4
-    narrow = torch.zeros(head.shape)
-    narrow[7], narrow[11] = row, -row
-    sd["lm_head.weight"] = narrow.to(head.dtype)
-    save_file(sd, path, metadata={"format": "pt"})
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@
 runs once, in the process that builds the engine, before any model is loaded:
 
 - the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
-- speculative decoding: the MTP drafter in the recurrent GDN mode on CPU, drafts verified by exact match, prefix
-  caching off (anything else refused with the fix);
+- speculative decoding: the MTP drafter in the recurrent GDN mode, drafts verified by exact match, prefix caching
+  off; on CPU, and on CUDA in Model Runner V2 with eager steps when ``VLLM_BI_CUDA_PREVIEW`` names it (anything else
+  refused with the fix);
 - CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
   ``VLLM_BI_CUDA_GRAPHS`` resolves to ``decode`` (:meth:`vllm_bi.settings.Settings.decode_graphs`,
   :func:`_check_graphs`) and runs every other step eagerly, with TRITON_ATTN as the attention backend when none
@@ -145,41 +146,63 @@ SPEC_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp")  # the model's own multi
 
 
 def _check_speculative(args, platform) -> None:
-    """``--speculative-config`` under batch invariance: the model's MTP drafter, in the recurrent GDN mode, on CPU,
-    without prefix caching (vLLM's CPU build has no kernel for the state copies that prefix caching with
-    speculative decoding needs). Each verified row has a one-token decode's bits
+    """``--speculative-config`` under batch invariance: the model's MTP drafter, in the recurrent GDN mode, without
+    prefix caching, on CPU; on CUDA with ``VLLM_BI_CUDA_PREVIEW=speculative`` (until a GPU gate covers it) in vLLM's
+    Model Runner V2 with eager steps. Each verified row has a one-token decode's bits
     (:func:`vllm_bi.model_executor.gdn.verify_rows`), and verification keeps a draft exactly when it equals the
-    sample decoding without drafts would draw at that position (:func:`vllm_bi.patch.sampling.verify_drafts`), so a
-    request's tokens and logprobs are those of decoding without drafts."""
+    sample decoding without drafts would draw at that position (:func:`vllm_bi.patch.sampling.verify_drafts` on CPU,
+    :func:`vllm_bi.patch.sampling.verify_drafts_v2` on CUDA), so a request's tokens and logprobs are those of
+    decoding without drafts. On CUDA that holds only when both decode with V2's sampler (noise keyed by seed and
+    position): the V1 runner's per-request generators draw other noise for the same seed."""
     spec = args.speculative_config
     spec = spec if isinstance(spec, dict) else vars(spec) if hasattr(spec, "__dict__") else {}
     method = spec.get("method")
-    if not platform.is_cpu():
+    try:
+        settings = current_settings()
+    except ValueError as e:
+        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+    cuda = platform.is_cuda()
+    if not platform.is_cpu() and not (cuda and settings.cuda_feature("speculative")):
         raise BatchInvarianceConfigError(
-            "vllm_bi: speculative decoding under batch invariance is verified on CPU only so far (a GPU run has not "
-            "shown it exact); remove --speculative-config or unset VLLM_BATCH_INVARIANT.")
+            "vllm_bi: speculative decoding under batch invariance is verified on CPU only so far (no GPU gate has "
+            "shown it exact); remove --speculative-config, or set VLLM_BI_CUDA_PREVIEW=speculative on CUDA to measure "
+            "it unverified.")
     if method not in SPEC_METHODS:
         raise BatchInvarianceConfigError(
             f"vllm_bi: speculative decoding method {method!r} is not supported under batch invariance; use the "
             "model's own drafter, --speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'.")
-    try:
-        mode = current_settings().gdn_mode
-    except ValueError as e:
-        raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
-    if mode != "recurrent":
+    for key, default in (("rejection_sample_method", "standard"), ("enable_adaptive_verification", False)):
+        if spec.get(key, default) not in (default, None):
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: speculative decoding verifies drafts by exact match under batch invariance; drop {key} "
+                "from --speculative-config.")
+    if settings.gdn_mode != "recurrent":
         raise BatchInvarianceConfigError(
-            f"vllm_bi: speculative decoding runs in the recurrent GDN mode only (VLLM_BI_GDN_MODE is {mode!r}); "
-            "set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config.")
+            f"vllm_bi: speculative decoding runs in the recurrent GDN mode only (VLLM_BI_GDN_MODE is "
+            f"{settings.gdn_mode!r}); set VLLM_BI_GDN_MODE=recurrent or drop --speculative-config.")
     if str(getattr(args, "logprobs_mode", "raw_logprobs")).startswith("processed"):
         raise BatchInvarianceConfigError(
             "vllm_bi: speculative decoding returns raw logprobs under batch invariance; drop --logprobs-mode or "
             "--speculative-config.")
     if args.enable_prefix_caching:
         raise BatchInvarianceConfigError(
-            "vllm_bi: speculative decoding with prefix caching needs a state-copy kernel vLLM's CPU build lacks; drop "
-            "--enable-prefix-caching or --speculative-config.")
+            "vllm_bi: speculative decoding with prefix caching is not batch-invariant here (vLLM's CPU build lacks "
+            "the state-copy kernel it needs, and CUDA was never measured); drop --enable-prefix-caching or "
+            "--speculative-config.")
     args.enable_prefix_caching = False
-    logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, drafts verified by exact match", method)
+    if cuda:
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "1").strip().lower() in ("0", "false"):
+            raise BatchInvarianceConfigError(
+                "vllm_bi: speculative decoding on CUDA verifies drafts in Model Runner V2, whose sampler keys its "
+                "noise by seed and position; unset VLLM_USE_V2_MODEL_RUNNER or drop --speculative-config.")
+        if settings.cuda_graphs == "decode":
+            raise BatchInvarianceConfigError(
+                "vllm_bi: speculative decoding on CUDA runs eager steps (a verify step plans its GDN rows on the "
+                "host); unset VLLM_BI_CUDA_GRAPHS or drop --speculative-config.")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the runner the server without drafts uses, in every process
+        args.enforce_eager = True
+    logger.warning("vllm_bi: speculative decoding (%s): prefix caching off, drafts verified by exact match%s", method,
+                   "; Model Runner V2, eager steps" if cuda else "")
 
 
 def _chosen_attention_backend(args):

@@ -31,6 +31,7 @@ VLLM_OPS = "vLLM's BI kernels"  # CUDA with VLLM_BI_CUDA_OPS=vllm
 CHUNK_MODE = "chunk GDN mode"
 GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
 TUNE = "Triton GEMM, tuned tiles"  # VLLM_BI_GEMM_CONFIGS=tune with the Triton GEMM (CUDA)
+SPEC_CUDA = "speculative decoding on CUDA"  # VLLM_BI_CUDA_PREVIEW=speculative until a GPU gate covers it
 API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
 _API_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -297,7 +298,7 @@ LEDGER: tuple[Patch, ...] = (
       "another backend, padding or shuffled weights would bypass the rows above",
       "check the layer after loading; refuse anything else", "vllm_bi.patch.cuda_moe:wrap_process_weights",
       wraps=True, when=OWN_OPS, remove_when="never: vllm_bi's own safety net"),
-    # ------------------------------------------------------------------ sampling (CPU)
+    # ------------------------------------------------------------------ sampling and draft verification
     P("vllm.v1.sample.ops.topk_topp_sampler:random_sample", CPU,
       "CPU generators have no offset: a seeded request whose prompt is chunked killed the engine",
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
@@ -312,6 +313,12 @@ LEDGER: tuple[Patch, ...] = (
       "draw: a request's tokens depend on the drafts", "exact-match verification: each position sampled by the "
       "sampler itself, a seeded draw keyed to the output token index; a draft kept while it equals that sample",
       "vllm_bi.patch.sampling:verify_drafts", remove_when="vLLM verifies drafts by exact match on a keyed sample"),
+    P("vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__", CUDA,
+      "Model Runner V2 accepts a draft at a temperature by a probability test against the draft's logits: a "
+      "request's tokens depend on the drafts", "exact-match verification: every row sampled by V2's own sampler "
+      "(noise keyed by seed and position), a draft kept while it equals the previous row's sample, on the device",
+      "vllm_bi.patch.sampling:verify_drafts_v2", when=SPEC_CUDA,
+      remove_when="vLLM verifies drafts by exact match on a keyed sample"),
     P("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu", CPU,
       "as above (the Gumbel-max CPU sampler)", "noise seed drawn by (seed, draw index)",
       "vllm_bi.patch.sampling:sampler_forward_cpu", remove_when="vLLM's CPU generators support offsets"),
@@ -333,7 +340,8 @@ def active_rows(device: str, settings=None) -> list[Patch]:
         settings = current()
     cond = {"": True, OWN_OPS: settings.ops(device) == "vllm_bi", VLLM_OPS: settings.ops(device) == "vllm",
             CHUNK_MODE: settings.gdn_mode == "chunk",
-            GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device)}
+            GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device),
+            SPEC_CUDA: settings.cuda_feature("speculative")}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
 
 

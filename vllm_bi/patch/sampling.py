@@ -1,8 +1,12 @@
-"""Seeded sampling on CPU that does not depend on how a prompt was chunked or batched.
+"""Sampling that does not depend on how a prompt was chunked or batched, and exact-match verification of drafts.
 
 CPU generators have no offset, so vLLM cannot rewind one when a step's sample is discarded (a chunked prompt), and
 a seeded request whose prompt is chunked killed the engine. Each seeded request gets a :class:`BIGenerator` whose
 draw ``i`` is keyed by ``(seed, i)``.
+
+Speculative decoding keeps a draft exactly when it equals the token decoding without drafts would sample at its
+position: :func:`verify_drafts` in vLLM's V1 model runner (CPU), :func:`verify_drafts_v2` in Model Runner V2
+(CUDA), whose sampler already keys its noise by (seed, position).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import functools
 import torch
 
 __all__ = ["BIGenerator", "random_sample", "sampler_forward_cpu", "wrap_update_states", "verify_drafts",
-           "wrap_validate_params"]
+           "keep_matching_drafts", "verify_drafts_v2", "wrap_validate_params"]
 
 
 class BIGenerator(torch.Generator):
@@ -152,6 +156,80 @@ def verify_drafts(self, metadata, draft_probs, logits, sampling_metadata):
         logprobs = self._get_logprobs_tensors(sampling_metadata.max_num_logprobs, metadata, logits, raw,
                                               logits[metadata.bonus_logits_indices].to(torch.float32), out)
     return SamplerOutput(sampled_token_ids=out, logprobs_tensors=logprobs)
+
+
+def keep_matching_drafts(sampled: torch.Tensor, drafts: torch.Tensor, cu_num_logits: torch.Tensor,
+                         local_pos: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact-match rule on the device, with no host read. A verify step's logits rows are packed by request
+    (request ``i``: rows ``cu_num_logits[i] .. cu_num_logits[i + 1] - 1``, ``local_pos`` each row's index in its
+    request); row ``j`` of a request was fed its ``j``-th draft (row 0 the last sampled token) in ``drafts`` and
+    sampled ``sampled``. Draft ``j + 1`` is kept while it equals row ``j``'s sample, so a request keeps the samples
+    of rows ``0 .. a`` where ``a`` is the number of leading rows whose sample equals the next row's draft (a draft
+    of ``-1`` never does). Returns ``(tokens [R, width], num_sampled [R] int32)``: row ``i`` of ``tokens`` holds the
+    request's samples from its first row on (entries past ``num_sampled[i]`` are unused)."""
+    n_rows = sampled.shape[0]
+    n_reqs = cu_num_logits.shape[0] - 1
+    dev = sampled.device
+    rows = torch.arange(n_rows, device=dev, dtype=cu_num_logits.dtype)
+    req = torch.searchsorted(cu_num_logits[1:].contiguous(), rows, right=True)
+    pos = local_pos.long()
+    n_drafts = (cu_num_logits[1:] - cu_num_logits[:-1] - 1).long()
+    following = torch.cat([drafts[1:], drafts.new_full((1,), -1)]).long()
+    match = (pos < n_drafts[req]) & (sampled.long() == following)
+    tokens = torch.zeros((n_reqs, width), dtype=sampled.dtype, device=dev)
+    tokens[req, pos] = sampled
+    kept = torch.zeros((n_reqs, width), dtype=torch.int32, device=dev)
+    kept[req, pos] = match.to(torch.int32)
+    num_sampled = torch.cumprod(kept, dim=1).sum(dim=1).to(torch.int32) + 1
+    return tokens, num_sampled
+
+
+def verify_drafts_v2(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+    """Model Runner V2's ``RejectionSampler.__call__`` under batch invariance: exact-match verification.
+
+    Every logits row of the step is sampled by V2's own sampler, the call a step without drafts makes; its noise is
+    keyed by the request's seed and the row's position, so row ``j`` draws what decoding without drafts draws for
+    that position. :func:`keep_matching_drafts` keeps a draft while it equals the sample of the row before it; the
+    logprobs are the raw logits rows' (the rows one-token decodes give). ``draft_logits`` is not used: the drafter
+    decides how many tokens a step keeps, never which. A draft grammar-invalid for the request (``invalid_drafts``)
+    is never kept."""
+    from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+    from vllm.v1.worker.gpu.sample import sampler as v2_sampler
+    from vllm.v1.worker.gpu.sample.output import SamplerOutput, SamplingMaskTensors
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rs
+
+    sampler = self.sampler
+    if self.watermark_key is not None or getattr(sampler, "trace_replay_state", None) is not None:
+        raise NotImplementedError("vllm_bi: exact-match verification does not replay watermarks or traces; serve "
+                                  "without them or without --speculative-config")
+    num_nans = v2_sampler.get_num_nans(logits) if sampler.compute_nans else None  # the non-finite guard's count
+    drafts, pos = rs.gather_draft_sampled(input_batch.input_ids, input_batch.positions, input_batch.logits_indices,
+                                          input_batch.expanded_idx_mapping, input_batch.expanded_local_pos,
+                                          sampler.req_states.prefill_len.gpu)
+    max_num_logprobs = sampler.sampling_states.max_num_logprobs(input_batch.idx_mapping_np)
+    sampled, processed = sampler.sample(logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping,
+                                        input_batch.idx_mapping_np, pos, drafts, input_batch.expanded_local_pos,
+                                        input_batch.seq_lens_cpu_upper_bound.numpy(),
+                                        return_logprobs=max_num_logprobs != NO_LOGPROBS)
+    verify = drafts if invalid_drafts is None else drafts.masked_fill(invalid_drafts, -1)
+    width = self.num_speculative_steps + 1
+    tokens, num_sampled = keep_matching_drafts(sampled, verify, input_batch.cu_num_logits,
+                                               input_batch.expanded_local_pos, width)
+    tokens = tokens.to(drafts.dtype)
+    logprobs = self._get_logprobs_tensors(tokens, num_sampled, logits, input_batch.cu_num_logits,
+                                          input_batch.cu_num_logits_np, max_num_logprobs)
+    mask = None
+    if sampler.return_sampling_mask:
+        import numpy as np
+
+        max_kept = int(np.max(sampler.sampling_states.top_k.np[input_batch.idx_mapping_np]))
+        mask = SamplingMaskTensors.from_logits(processed, input_batch.cu_num_logits, num_sampled, max_kept, width)
+    num_sampled, num_rejected = get_num_sampled_and_rejected(num_sampled, input_batch.seq_lens,
+                                                             input_batch.cu_num_logits, input_batch.idx_mapping,
+                                                             sampler.req_states.prefill_len.gpu)
+    return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs, num_nans=num_nans,
+                         num_sampled=num_sampled, num_rejected=num_rejected, sampling_mask_tensors=mask)
 
 
 def wrap_validate_params(orig):
