@@ -106,6 +106,11 @@ LEDGER: tuple[Patch, ...] = (
       "vllm_bi.model_executor.attention:bi_mla_forward", NO_PR,
       "vLLM's MLA serves prefill and decode in one batch-invariant arithmetic with the trainer's", when=KIMI,
       kind="on_import"),
+    P("vllm.models.kimi_k3.nvidia.model:enable_kimi_k3_low_latency_gemm", CUDA,
+      "on SM90 / SM100 GPUs Kimi's model swaps the quant method of every linear layer whose shape vLLM's tables list "
+      "for a shape-selected low-latency GEMM", "not installed: the layers keep the op library's GEMM",
+      "vllm_bi.patch.cuda_ops:skip_kimi_low_latency_gemm", when=KIMI, kind="on_import",
+      remove_when="vLLM installs no low-latency GEMM under VLLM_BATCH_INVARIANT=1"),
     P("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.supports_block_size", CPU,
       "CPU_MLA's decode kernel serves block size 16 only, below the block a hybrid model's state pages need",
       "any block size: the batch-invariant MLA forward reads the latent cache itself",
