@@ -32,7 +32,10 @@ from vllm_bi.tiny_models import build_tiny_model  # noqa: E402
 
 ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.15"]
-PREVIEW = {"VLLM_BI_CUDA_PREVIEW": "kimi-linear", "VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# the tiny model's MLA head dim (32 + 64) is no power of two, which the Triton attention kernel needs: the torch
+# attention op, in the server and in this process's trainer alike
+PREVIEW = {"VLLM_BI_CUDA_PREVIEW": "kimi-linear", "VLLM_BI_ATTENTION": "torch", "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 VOCAB = 512
 
 
@@ -98,7 +101,7 @@ def test_trainer_equals_server(model, bi_server):
 def test_stock_server_differs_from_the_trainer(model, preview, tmp_path_factory):
     """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router)."""
     log = str(tmp_path_factory.mktemp("logs") / "kimi-stock.log")
-    env = cpu_env(False, {k: v for k, v in PREVIEW.items() if k != "VLLM_BI_CUDA_PREVIEW"})
+    env = cpu_env(False, {k: v for k, v in PREVIEW.items() if not k.startswith("VLLM_BI_")})
     try:
         with VllmServer(model, batch_invariant=False, env=env, args=ARGS + ["--enforce-eager"], startup_timeout=900,
                         log_path=log) as srv:
