@@ -39,7 +39,8 @@ STOCK_ARGS = "--gdn-prefill-backend triton"
 MODELS = {"qwen3.5": ("qwen3.5", "default"), "qwen3-next": ("qwen3-next", "default"),
           "qwen3.5-moe": ("qwen3.5-moe", "default"), "qwen3.5-9b": ("qwen3.5", "9b-dims"),
           "moe-router": ("qwen3.5-moe", "moe-router"),
-          "qwen3.5-tp": ("qwen3.5", "tp"), "qwen3.5-moe-odd": ("qwen3.5-moe", "odd-heads")}
+          "qwen3.5-tp": ("qwen3.5", "tp"), "qwen3.5-moe-odd": ("qwen3.5-moe", "odd-heads"),
+          "kimi-linear": ("kimi-linear", "default")}
 RUNS = "/tmp/vllm_bi_suite_runs"  # trainer run dirs (checkpoints stay here; metrics are copied to the logs)
 
 
@@ -56,9 +57,9 @@ class Job:
 
 def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, extra="", gdn="recurrent",
             prompts=None, gemm=None, attention=None, graphs=None, moe=None, tiles=None, preset=None, mem=MEM,
-            chunk_decode=None, trainer="vllm_bi") -> Job:
-    """A ``vllm-bi parity`` job (``trainer``: its ``--trainer``); a setting left None is not set (the defaults, or the
-    suite's environment)."""
+            chunk_decode=None, trainer="vllm_bi", preview=None) -> Job:
+    """A ``vllm-bi parity`` job (``trainer``: its ``--trainer``; ``preview``: its ``VLLM_BI_CUDA_PREVIEW``); a setting
+    left None is not set (the defaults, or the suite's environment)."""
     server_args = f"{mem} --tensor-parallel-size {tp} {STOCK_ARGS if stock else ''} {extra}".strip()
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--json", "--n", str(n),
             "--max-tokens", str(max_tokens), "--server-args", server_args, "--trainer-device", "cuda"]
@@ -70,7 +71,7 @@ def _parity(name, model, ops="vllm_bi", tp=1, stock=False, n=4, max_tokens=24, e
         argv += ["--trainer", trainer]
     given = {"VLLM_BI_CUDA_OPS": ops, "VLLM_BI_GDN_MODE": gdn, "VLLM_BI_GEMM": gemm, "VLLM_BI_ATTENTION": attention,
              "VLLM_BI_CUDA_GRAPHS": graphs, "VLLM_BI_MOE": moe, "VLLM_BI_GEMM_CONFIGS": tiles, "VLLM_BI_PRESET": preset,
-             "VLLM_BI_CHUNK_DECODE": chunk_decode}
+             "VLLM_BI_CHUNK_DECODE": chunk_decode, "VLLM_BI_CUDA_PREVIEW": preview}
     env = {k: v for k, v in given.items() if v is not None}
     return Job(name, "parity", argv, env, gpus=tp, expect_pass=not stock and ops == "vllm_bi")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from vllm_bi.patch import cuda_moe
-from vllm_bi.patch.ledger import LEDGER, apply_row
+from vllm_bi.patch.ledger import LEDGER, apply_row, resolve
 from vllm_bi.ops.linear import bi_linear
-from vllm_bi.ops.moe import moe_experts, softmax_topk
+from vllm_bi.ops.moe import moe_experts, sigmoid_topk, softmax_topk
 
 E, H, INTER, K = 8, 48, 32, 3
 
@@ -100,10 +100,13 @@ def _trainer_moe(gate, w13, w2, renormalize=True):
 
 
 def test_patch_set(patched):
-    want = {("FusedTopKRouter", "_compute_routing"), ("GateLinear", "forward"), ("TritonExperts", "apply"),
+    want = {("FusedTopKRouter", "_compute_routing"), ("GroupedTopKRouter", "_compute_routing"),
+            ("GateLinear", "forward"), ("TritonExperts", "apply"),
             ("MoERunner", "_maybe_fuse_gate_weights"), ("UnquantizedFusedMoEMethod", "process_weights_after_loading")}
     assert want <= set(patched)
-    for name in ("GroupedTopKRouter", "CustomRoutingRouter", "FusedTopKBiasRouter", "RoutingSimulatorRouter",
+    assert [resolve(row.new) for row in LEDGER if row.target.endswith("GroupedTopKRouter._compute_routing")] == [
+        cuda_moe.grouped_topk_compute_routing]
+    for name in ("CustomRoutingRouter", "FusedTopKBiasRouter", "RoutingSimulatorRouter",
                  "ZeroExpertRouter", "AiterSharedRoutedFusedMoERouter"):
         assert (name, "_compute_routing") in patched
 
@@ -169,7 +172,13 @@ def test_gate_linear_forward_is_the_replicated_linear_tier(patched):
     x = torch.randn(5, H).bfloat16()
     out, bias = g(x)
     assert bias is None and calls == [5] and torch.equal(out, bi_linear(x, gate))
+    # Kimi Linear's gate: fp32 router logits are bi_linear's bf16 product cast to fp32 (the trainer's
+    # bi_linear(x, w).float()), not an fp32 GEMM
     g.out_dtype = torch.float32
+    out32, bias = g(x)
+    assert bias is None and out32.dtype == torch.float32 and torch.equal(out32, bi_linear(x, gate).float())
+    assert not torch.equal(out32, (x.float() @ gate.float().T))  # control: an fp32 GEMM has other bits
+    g.out_dtype = torch.float16
     with pytest.raises(NotImplementedError, match="out_dtype"):
         g(x)
 
@@ -253,7 +262,48 @@ def test_other_routers_and_fused_gate_refused(patched):
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
-    with pytest.raises(NotImplementedError, match="GroupedTopKRouter"):
-        GroupedTopKRouter._compute_routing(GroupedTopKRouter.__new__(GroupedTopKRouter), None, None, None)
+    from vllm.model_executor.layers.fused_moe.router.custom_routing_router import CustomRoutingRouter
+
+    with pytest.raises(NotImplementedError, match="CustomRoutingRouter"):
+        CustomRoutingRouter._compute_routing(CustomRoutingRouter.__new__(CustomRoutingRouter), None, None, None)
+    logits = torch.randn(5, E)
+    for groups, topk_group, scoring in ((2, 1, "sigmoid"), (1, 2, "sigmoid"), (4, 2, "sigmoid"), (1, 1, "softmax")):
+        router = _grouped_router(groups=groups, topk_group=topk_group, scoring=scoring)
+        with pytest.raises(NotImplementedError, match="not batch-invariant yet"):
+            router._compute_routing(torch.zeros(5, H), logits, None)
+    with pytest.raises(NotImplementedError, match="fused shared experts"):
+        _grouped_router(fused_shared=1)._compute_routing(torch.zeros(5, H), logits, None)
     with pytest.raises(NotImplementedError, match="fused router"):
         MoERunner._maybe_fuse_gate_weights(None)
+
+
+def _grouped_router(groups=1, topk_group=1, scoring="sigmoid", bias=None, fused_shared=0, scale=2.446):
+    """vLLM's grouped top-k router as Kimi Linear builds it on CUDA (one expert group, sigmoid scores, a score
+    correction bias, renormalised, a routed scaling factor)."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
+
+    return GroupedTopKRouter(top_k=K, global_num_experts=E, num_expert_group=groups, topk_group=topk_group,
+                             renormalize=True, scoring_func=scoring, routed_scaling_factor=scale,
+                             e_score_correction_bias=bias, num_fused_shared_experts=fused_shared)
+
+
+def test_grouped_router_is_the_trainers_sigmoid_topk(patched):
+    """Kimi Linear's router on CUDA: ``GroupedTopKRouter`` -> ``cuda_moe.grouped_topk_compute_routing`` gives
+    ``ops.moe.sigmoid_topk``'s weights and ids bit for bit (the trainer's ``kimi_moe_block``), through the router's
+    public ``select_experts``. Control: the same scores without the correction bias choose other experts."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(53, E, generator=g)  # fp32, as Kimi Linear's gate gives them
+    bias = torch.nn.Parameter(torch.randn(E, generator=g) * 0.3, requires_grad=False)
+    router = _grouped_router(bias=bias)
+    tw, ti = router.select_experts(hidden_states=torch.zeros(53, H).bfloat16(), router_logits=logits)
+    want_w, want_i = sigmoid_topk(logits, K, True, bias, 2.446)
+    assert tw.dtype == torch.float32 and ti.dtype == torch.int32
+    assert torch.equal(tw, want_w) and torch.equal(ti, want_i)
+    direct_w, direct_i = cuda_moe.grouped_topk_compute_routing(router, None, logits, None)
+    assert torch.equal(direct_w, want_w) and torch.equal(direct_i, want_i)
+    # negative control: dropping the bias changes the choice the comparison checks
+    nob_w, nob_i = sigmoid_topk(logits, K, True, None, 2.446)
+    assert not (torch.equal(nob_i, ti) and torch.equal(nob_w, tw))
+    nob_router_w, nob_router_i = _grouped_router(bias=None).select_experts(
+        hidden_states=torch.zeros(53, H).bfloat16(), router_logits=logits)
+    assert torch.equal(nob_router_w, nob_w) and torch.equal(nob_router_i, nob_i)

@@ -71,14 +71,21 @@ def test_every_other_recurrent_state_architecture_is_refused_with_its_layer_name
 
 
 def test_kimi_linear_is_refused_where_its_forwards_have_no_path(monkeypatch):
-    """Kimi Linear's KDA and MLA forwards are CPU ledger rows: on CUDA it is refused at configuration time, naming the
-    platform and the fix (no engine started)."""
+    """Kimi Linear is listed for CPU and CUDA; on ROCm (named apart from CUDA) it is refused at configuration time,
+    naming the platforms and the fix, and on CUDA while the kimi-linear feature is neither gated nor previewed
+    (``tests/test_kimi_cuda_config.py`` drives the preview). No engine started."""
     from types import SimpleNamespace
 
+    from vllm_bi import settings
     from vllm_bi.patch import model_families as MF
 
+    assert MF.SUPPORTED_ARCHITECTURES["KimiLinearForCausalLM"][0] == ("cpu", "cuda")
     config = SimpleNamespace(architecture="KimiLinearForCausalLM", is_hybrid=True)
     assert MF.refusal(config) is None  # this machine: CPU
-    monkeypatch.setattr(MF, "_platform", lambda: "cuda")
+    monkeypatch.setattr(MF, "_platform", lambda: "rocm")
     why = MF.refusal(config)
-    assert why and "served batch-invariantly on cpu only" in why and "no CUDA path" in why and "\n" not in why
+    assert why and "served batch-invariantly on cpu, cuda only" in why and "no ROCM path" in why and "\n" not in why
+    monkeypatch.setattr(MF, "_platform", lambda: "cuda")
+    if not settings.current().cuda_feature("kimi-linear"):
+        why = MF.refusal(config)
+        assert why and "VLLM_BI_CUDA_PREVIEW=kimi-linear" in why and "\n" not in why

@@ -46,7 +46,7 @@ def test_every_row_names_a_vllm_symbol_and_a_replacement():
 
 def test_rows_follow_the_settings():
     """The settings decide which rows apply: the chunk GDN mode adds its rows (GDN's and KDA's state shapes; CUDA
-    serves no KDA), vLLM's own CUDA kernels swap the op-library rows for the norm fixes, the guard's rows go with the
+    serves KDA in the recurrent mode only), the kimi-linear CUDA feature adds Kimi Linear's rows on CUDA, vLLM's own CUDA kernels swap the op-library rows for the norm fixes, the guard's rows go with the
     guard."""
     base = {p.target for p in active_rows("cpu", Settings())}
     chunk = {p.target for p in active_rows("cpu", Settings(gdn_mode="chunk"))}
@@ -58,6 +58,15 @@ def test_rows_follow_the_settings():
     assert {t.split(":")[1] for t in cuda_chunk - cuda_base} == {"MambaStateShapeCalculator.gated_delta_net_state_shape"}
     unguarded = {p.target for p in active_rows("cpu", Settings(nonfinite_guard=False))}
     assert len(base - unguarded) == 4 and not unguarded - base
+    # Kimi Linear's rows (KDA and MLA forwards, the MLA metadata, no low-latency GEMMs): always on CPU, on CUDA only
+    # with the kimi-linear feature (VLLM_BI_CUDA_PREVIEW until a GPU gate lists it)
+    kimi = {p.target.split(":")[1] for p in LEDGER if p.when == "Kimi Linear on the device"}
+    assert kimi == {"KimiGatedDeltaNetAttention.forward", "MultiHeadLatentAttention.forward",
+                    "MLACommonMetadataBuilder.build", "enable_kimi_k3_low_latency_gemm"}
+    cuda_kimi = {p.target for p in active_rows("cuda", Settings(cuda_preview="kimi-linear"))}
+    assert {t.split(":")[1] for t in cuda_kimi - cuda_base} == kimi and not cuda_base - cuda_kimi
+    assert {t.split(":")[1] for t in base if t.split(":")[1] in kimi} == kimi - {"enable_kimi_k3_low_latency_gemm"}
+    assert cuda_kimi == {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))}
     own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     theirs = [p for p in active_rows("cuda", Settings(cuda_ops="vllm")) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     assert [p.new for p in own] == ["vllm_bi.patch.cpu_layers:gemma_rms_forward"]

@@ -38,12 +38,18 @@ def gates(gating: str, A_log, a, b, dt_bias, lower_bound: float | None = None) -
     raise ValueError(f"gating {gating!r}: choose one of {', '.join(GATINGS)}")
 
 
-def _check_kda(gating: str, device: torch.device) -> None:
-    """Kimi Delta Attention's per-channel gate runs (in the recurrent and chunk modes) on CPU only: refuse CUDA by
-    name."""
-    if gating == "kda" and device.type != "cpu":
-        raise NotImplementedError("Kimi Delta Attention's batch-invariant core runs on CPU only in this release "
-                                  f"(got {device.type}): serve the model without VLLM_BATCH_INVARIANT=1")
+def _check_kda(gating: str, device: torch.device, mode: str) -> None:
+    """Kimi Delta Attention's per-channel gate runs in the recurrent and chunk modes on CPU, and in the recurrent
+    mode on CUDA (fla-core's ``gk`` arithmetic: :mod:`vllm_bi.gdn.recurrent`, :mod:`vllm_bi.gdn.slots`); the chunk
+    mode on CUDA and any other device are refused by name."""
+    if gating != "kda" or device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise NotImplementedError(f"Kimi Delta Attention's batch-invariant core runs on CPU and CUDA only (got "
+                                  f"{device.type}): serve the model without VLLM_BATCH_INVARIANT=1")
+    if mode != "recurrent":
+        raise NotImplementedError(f"Kimi Delta Attention on CUDA runs in the recurrent GDN mode only (got {mode!r}): "
+                                  "set VLLM_BI_GDN_MODE=recurrent")
 
 
 _INDEX_CACHE = 64
@@ -164,9 +170,9 @@ def gdn_sequence(
     and the trainer's ``models/qwen_gdn.py`` call) must reproduce exactly (``tests/ops/test_gdn_varlen.py``). ``mixed_qkv [T, 2*Hk*K + HV*V]`` (model
     dtype), ``conv_weight [D, W]``, ``conv_state [W-1, D]``, ``a, b [T, HV]``, ``state [HV, V, K]``
     fp32. Returns ``(o [T, HV, V] fp32, new conv state, new fp32 state)``. ``gating="kda"``: Kimi Delta Attention's
-    gate (:func:`gates`: ``a [T, H, K]``, ``b [T, H]``, ``lower_bound``), recurrent arithmetic on CPU.
+    gate (:func:`gates`: ``a [T, H, K]``, ``b [T, H]``, ``lower_bound``), recurrent arithmetic (CPU, CUDA).
     """
-    _check_kda(gating, mixed_qkv.device)
+    _check_kda(gating, mixed_qkv.device, "recurrent")
     T = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
     x, new_conv_state = causal_conv1d(mixed_qkv, conv_weight, conv_state, activation)
@@ -251,9 +257,9 @@ def gdn_varlen(
     written).
 
     ``gating="kda"`` (with ``lower_bound``): Kimi Delta Attention's per-channel gate (:func:`gates`); the recurrent
-    and chunk modes on CPU only, anything else refused by name.
+    and chunk modes on CPU, the recurrent mode on CUDA, anything else refused by name.
     """
-    _check_kda(gating, conv_weight.device)
+    _check_kda(gating, conv_weight.device, mode)
     key_dim = num_k_heads * head_k_dim
     cu = [0]
     for s, e in ranges:

@@ -14,8 +14,8 @@ That is also the logical layout of vLLM's TRITON_ATTN cache on CUDA, so
 :func:`bi_attn_forward` serves both (on CUDA the stock ``do_kv_cache_update``
 writes the cache: a copy, exact).
 
-Multi-head latent attention (Kimi Linear's, :func:`bi_mla_forward`) keeps vLLM's latent cache and decompresses the
-blocks a step reads into that same layout, then attends as above.
+Multi-head latent attention (Kimi Linear's, :func:`bi_mla_forward`) keeps vLLM's latent cache (CPU_MLA's on CPU,
+TRITON_MLA's on CUDA) and decompresses the blocks a step reads into that same layout, then attends as above.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def _mla_layout(md, block_size: int, dev):
     if layout is None:
         raise RuntimeError(f"vllm_bi: the MLA metadata ({type(md).__name__}) has no step layout: its backend's "
                            "builder is not the one the batch-invariant MLA forward wraps; serve with "
-                           "--attention-backend CPU_MLA")
+                           "--attention-backend CPU_MLA (CPU) or TRITON_MLA (CUDA)")
     seq_lens, table = layout
 
     def build():

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["fused_topk_compute_routing", "refuse_routing", "gate_linear_forward", "refuse_fused_gate",
+__all__ = ["fused_topk_compute_routing", "grouped_topk_compute_routing", "refuse_routing", "gate_linear_forward", "refuse_fused_gate",
            "triton_experts_apply", "check_moe_method", "wrap_process_weights"]
 
 
@@ -47,6 +47,21 @@ def fused_topk_compute_routing(self, hidden_states, router_logits, indices_type,
     return softmax_topk(router_logits, self.top_k, self.renormalize)
 
 
+def grouped_topk_compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+    """``GroupedTopKRouter._compute_routing`` -> :func:`vllm_bi.patch.cpu_moe.grouped_topk` (the trainer's
+    ``ops.moe.sigmoid_topk``: Kimi Linear's router, sigmoid scores in one expert group, the score correction bias,
+    renormalised, scaled). Fused shared experts and any other grouping or scoring are refused by name."""
+    from vllm_bi.patch.cpu_moe import grouped_topk
+
+    if getattr(self, "num_fused_shared_experts", 0):
+        raise NotImplementedError(
+            f"vllm_bi: MoE routing with {self.num_fused_shared_experts} fused shared experts is not batch-invariant "
+            "yet (shared experts as their own MLP are); serve without fusing them")
+    bias = self.e_score_correction_bias
+    return grouped_topk(router_logits, self.top_k, self.renormalize, self.num_expert_group, self.topk_group,
+                        self.scoring_func, self.routed_scaling_factor, None if bias is None else bias.data)
+
+
 def refuse_routing(self, *args, **kwargs):
     raise NotImplementedError(
         f"vllm_bi: MoE router {type(self).__name__} has no batch-invariant implementation in vllm_bi's op library "
@@ -54,15 +69,24 @@ def refuse_routing(self, *args, **kwargs):
 
 
 def gate_linear_forward(self, x):
-    """``GateLinear.forward`` without its cuBLAS / cuteDSL / fp32 tiers: ``ReplicatedLinear.forward`` (bi_linear)."""
+    """``GateLinear.forward`` without its cuBLAS / cuteDSL / fp32 tiers: ``ReplicatedLinear.forward`` (bi_linear),
+    as vLLM's last tier runs it: with an fp32 ``out_dtype`` (Kimi Linear's gate) the product is bi_linear's in the
+    weight's dtype, then cast to fp32 (the trainer's ``bi_linear(x, w).float()``), not an fp32 GEMM."""
+    import torch
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     if not getattr(self, "is_unquantized", True):
         raise NotImplementedError("vllm_bi: a quantized MoE gate is not batch-invariant yet")
-    if self.out_dtype is not None and self.out_dtype != x.dtype:
-        # the trainer's router reads bi_linear's output in the activation dtype
-        raise NotImplementedError(f"vllm_bi: MoE gate with out_dtype {self.out_dtype} is not batch-invariant yet")
-    return ReplicatedLinear.forward(self, x)
+    if self.out_dtype is None or self.out_dtype == x.dtype:
+        return ReplicatedLinear.forward(self, x)
+    if self.out_dtype != torch.float32 or x.dtype != self.weight.dtype:
+        # the trainer's router reads bi_linear's output in the activation dtype, or that output cast to fp32
+        raise NotImplementedError(f"vllm_bi: MoE gate with out_dtype {self.out_dtype} over {x.dtype} activations "
+                                  "is not batch-invariant yet")
+    out = ReplicatedLinear.forward(self, x)
+    if isinstance(out, tuple):
+        return out[0].to(self.out_dtype), out[1]
+    return out.to(self.out_dtype)
 
 
 def refuse_fused_gate(self):

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gemma_rms_forward_cuda", "gated_rms_forward_cuda", "token_logprobs", "wrap_attention_init"]
+__all__ = ["gemma_rms_forward_cuda", "gated_rms_forward_cuda", "token_logprobs", "wrap_attention_init",
+           "skip_kimi_low_latency_gemm"]
 
 
 def gemma_rms_forward_cuda(self, x, residual=None):
@@ -55,3 +56,12 @@ def wrap_attention_init(orig):
         self.use_fused_qk_norm_rope_gate = False
 
     return __init__
+
+
+def skip_kimi_low_latency_gemm(module, dtype) -> None:
+    """``enable_kimi_k3_low_latency_gemm`` under batch invariance: no linear layer's quant method is swapped for
+    vLLM's shape-selected low-latency GEMMs (on an SM90 / SM100 GPU they would replace ``bi_linear`` for every
+    projection whose shape their tables list); the layers keep the op library's GEMM."""
+    import logging
+
+    logging.getLogger("vllm_bi").info("vllm_bi: Kimi's low-latency GEMMs not installed (the op library's GEMM)")

@@ -15,8 +15,11 @@ runs once, in the process that builds the engine, before any model is loaded:
 - every ``VLLM_BI_*`` value is validated (:mod:`vllm_bi.settings`), and the op settings' tables are read;
 - parallelism: pipeline parallelism refused; tensor parallelism only where its sums are exact
   (:func:`_check_parallelism`);
-- Kimi Linear runs without vLLM's fused GEMM + all-reduce (:func:`_kimi_linear`), and on CPU keeps chunked prefill and
-  prefix caching, which vLLM's CPU platform turns off for MLA models (:func:`wrap_cpu_platform_config`);
+- Kimi Linear runs without vLLM's fused GEMM + all-reduce (:func:`_kimi_linear`); on CPU over CPU_MLA, keeping
+  chunked prefill and prefix caching, which vLLM's CPU platform turns off for MLA models
+  (:func:`wrap_cpu_platform_config`); on CUDA (the ``kimi-linear`` feature of :mod:`vllm_bi.settings`, refused by
+  :func:`vllm_bi.patch.model_families.refusal` while neither gated nor previewed) over TRITON_MLA, in the recurrent
+  GDN mode, with eager steps;
 - a model with recurrent-state layers other than the Qwen GDN layer (Mamba, Mamba2, short convolutions, other linear
   attention) is refused with the layer type named (:mod:`vllm_bi.patch.model_families`).
 """
@@ -67,8 +70,8 @@ def wrap_create_engine_config(orig):
         if current_platform.is_cpu() and not self.enforce_eager:
             self.enforce_eager = True
             logger.info("vllm_bi: batch invariance on CPU: eager mode (torch.compile would re-fuse the ops)")
-        _kimi_linear(self, current_platform)
-        if current_platform.is_cuda():
+        kimi = _kimi_linear(self, current_platform)
+        if current_platform.is_cuda() and not kimi:
             chosen = _chosen_attention_backend(self)
             if chosen is None:
                 self.attention_backend = "TRITON_ATTN"
@@ -210,27 +213,65 @@ def _chosen_attention_backend(args):
     return args.attention_backend or getattr(args.attention_config, "backend", None)
 
 
-def _kimi_linear(args, platform) -> None:
+KIMI_MLA_BACKEND = {"cpu": "CPU_MLA", "cuda": "TRITON_MLA"}  # whose metadata builder the MLA forward wraps
+
+
+def _kimi_linear(args, platform) -> bool:
     """A Kimi Linear checkpoint: vLLM's fused GEMM + all-reduce kernel off (``VLLM_KIMI_K3_GEMM_AR=0`` for the
     engine's processes: it is not the op library's GEMM, and it needs CUTLASS's Python package, which a CPU install
-    lacks); refused when set on. On CPU the attention backend is CPU_MLA, whose metadata builder the batch-invariant
-    MLA forward wraps (vLLM would pick AMX_MLA on a CPU with AMX tiles); another one is refused."""
+    lacks); refused when set on. The attention backend is the one whose metadata builder the batch-invariant MLA
+    forward wraps (:data:`KIMI_MLA_BACKEND`): CPU_MLA on CPU (vLLM would pick AMX_MLA on a CPU with AMX tiles),
+    TRITON_MLA on CUDA; another one is refused. On CUDA, when the ``kimi-linear`` feature is on (gated or
+    ``VLLM_BI_CUDA_PREVIEW``), the KDA layers run in the recurrent GDN mode only and every step eagerly (its glue
+    plans each step on the host), so the chunk mode and ``VLLM_BI_CUDA_GRAPHS=decode`` are refused by name; with the
+    feature off nothing is set here and :func:`vllm_bi.patch.model_families.refusal` refuses the model. Returns
+    whether it chose the attention backend (the CUDA default, TRITON_ATTN, is then not set)."""
     if model_families.local_architecture(args.model) != "KimiLinearForCausalLM":
-        return
+        return False
     if os.environ.get("VLLM_KIMI_K3_GEMM_AR", "0") not in ("0", ""):
         raise BatchInvarianceConfigError(
             "vllm_bi: VLLM_KIMI_K3_GEMM_AR fuses o_proj's GEMM with its all-reduce, which is not the trainer's "
             "GEMM; unset it or set it to 0")
     os.environ["VLLM_KIMI_K3_GEMM_AR"] = "0"
-    if not platform.is_cpu():
-        return
+    if platform.is_cpu():
+        device = "cpu"
+    elif platform.is_cuda():
+        device = "cuda"
+        try:
+            settings = current_settings()
+        except ValueError as e:
+            raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
+        if not settings.cuda_feature("kimi-linear"):
+            return False
+        if settings.gdn_mode != "recurrent":
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: Kimi Linear on CUDA runs its KDA layers in the recurrent GDN mode only (VLLM_BI_GDN_MODE "
+                f"is {settings.gdn_mode!r}); set VLLM_BI_GDN_MODE=recurrent")
+        if settings.cuda_graphs == "decode":
+            origin = (f" (from VLLM_BI_PRESET={settings.preset})" if settings.source("cuda_graphs") == "preset"
+                      else "")
+            raise BatchInvarianceConfigError(
+                f"vllm_bi: VLLM_BI_CUDA_GRAPHS=decode{origin} captures decode steps, which Kimi Linear's glue plans on "
+                "the host; set VLLM_BI_CUDA_GRAPHS=off for Kimi Linear on CUDA")
+    else:
+        return False
+    backend = KIMI_MLA_BACKEND[device]
     chosen = _chosen_attention_backend(args)
     if chosen is None:
-        args.attention_backend = "CPU_MLA"
-    elif "CPU_MLA" not in str(chosen):
+        args.attention_backend = backend
+    elif backend not in str(chosen):
         raise BatchInvarianceConfigError(
-            f"vllm_bi: Kimi Linear's batch-invariant MLA forward reads the CPU_MLA backend's metadata; the chosen "
-            f"attention backend {chosen} would not give it. Drop --attention-backend or choose CPU_MLA.")
+            f"vllm_bi: Kimi Linear's batch-invariant MLA forward reads the {backend} backend's metadata; the chosen "
+            f"attention backend {chosen} would not give it. Drop --attention-backend or choose {backend}.")
+    if device == "cuda":
+        if not args.enforce_eager:
+            args.enforce_eager = True
+        from vllm_bi.settings import CUDA_FEATURES
+
+        logger.warning("vllm_bi: Kimi Linear on CUDA%s: attention backend %s, KDA in the recurrent GDN mode, eager "
+                       "steps", "" if "kimi-linear" in CUDA_FEATURES else
+                       " (VLLM_BI_CUDA_PREVIEW: no GPU gate has shown it exact yet)", backend)
+    return True
 
 
 def wrap_cpu_platform_config(orig):

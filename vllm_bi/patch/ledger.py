@@ -32,6 +32,7 @@ CHUNK_MODE = "chunk GDN mode"
 GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
 TUNE = "Triton GEMM, tuned tiles"  # VLLM_BI_GEMM_CONFIGS=tune with the Triton GEMM (CUDA)
 SPEC_CUDA = "speculative decoding on CUDA"  # VLLM_BI_CUDA_PREVIEW=speculative until a GPU gate covers it
+KIMI = "Kimi Linear on the device"  # CPU always; CUDA with Settings.cuda_feature("kimi-linear")
 API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
 _API_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -89,21 +90,28 @@ LEDGER: tuple[Patch, ...] = (
         "vllm_bi.model_executor.gdn:bi_gdn_forward", GDN_PR,
         "vLLM's GDN forward is batch-invariant with the trainer's arithmetic")
       for name in ("forward_cpu", "forward_cuda", "forward_hip", "forward_xpu")),
-    P("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention.forward", CPU,
-      "stock runs Triton KDA kernels (no CPU forward) and a CUDA-only state gather",
-      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core (recurrent or chunk mode), "
-      "fp32 state",
+    P("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn:KimiGatedDeltaNetAttention.forward", ALL,
+      "stock runs Triton KDA kernels (no CPU forward) whose chunked prefill and decode give other bits, and a "
+      "CUDA-only state gather",
+      "model_executor.gdn.bi_kda_forward: the trainer's KDA layer over the GDN core (recurrent or chunk mode on "
+      "CPU, recurrent on CUDA), fp32 state",
       "vllm_bi.model_executor.gdn:bi_kda_forward", GDN_PR,
-      "vLLM's KDA forward is batch-invariant with the trainer's arithmetic"),
+      "vLLM's KDA forward is batch-invariant with the trainer's arithmetic", when=KIMI),
     # on import: importing the Kimi package before the worker starts pulls in numba, whose module objects vLLM's CPU
     # kernel-override scan at worker start cannot read
-    P("vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention.forward", CPU,
+    P("vllm.models.kimi_k3.nvidia.mla:MultiHeadLatentAttention.forward", ALL,
       "stock attends in two arithmetics: prefill over decompressed keys and values, decode in the weight-absorbed "
       "latent form (and CPU_MLA's kernels serve one head size and block size)",
       "model_executor.attention.bi_mla_forward: the trainer's MLA, the cached latents decompressed per row and "
       "attended by the op library's attention in prefill and decode alike",
       "vllm_bi.model_executor.attention:bi_mla_forward", NO_PR,
-      "vLLM's MLA serves prefill and decode in one batch-invariant arithmetic with the trainer's", kind="on_import"),
+      "vLLM's MLA serves prefill and decode in one batch-invariant arithmetic with the trainer's", when=KIMI,
+      kind="on_import"),
+    P("vllm.models.kimi_k3.nvidia.model:enable_kimi_k3_low_latency_gemm", CUDA,
+      "on SM90 / SM100 GPUs Kimi's model swaps the quant method of every linear layer whose shape vLLM's tables list "
+      "for a shape-selected low-latency GEMM", "not installed: the layers keep the op library's GEMM",
+      "vllm_bi.patch.cuda_ops:skip_kimi_low_latency_gemm", when=KIMI, kind="on_import",
+      remove_when="vLLM installs no low-latency GEMM under VLLM_BATCH_INVARIANT=1"),
     P("vllm.v1.attention.backends.mla.cpu_mla:CPUMLABackend.supports_block_size", CPU,
       "CPU_MLA's decode kernel serves block size 16 only, below the block a hybrid model's state pages need",
       "any block size: the batch-invariant MLA forward reads the latent cache itself",
@@ -118,10 +126,11 @@ LEDGER: tuple[Patch, ...] = (
       "a Kimi Linear model keeps both, and its step token budget: the batch-invariant MLA forward reads every row's "
       "keys from the latent cache", "vllm_bi.patch.engine_config:wrap_cpu_platform_config", wraps=True,
       remove_when="the MLA forward row goes"),
-    P("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.build", CPU,
+    P("vllm.model_executor.layers.attention.mla_attention:MLACommonMetadataBuilder.build", ALL,
       "the MLA metadata splits the step's block table and lengths between its decode and prefill parts",
-      "the whole step's lengths and block table kept on the metadata for the batch-invariant MLA forward",
-      "vllm_bi.model_executor.attention:wrap_mla_build", wraps=True,
+      "the whole step's lengths and block table kept on the metadata for the batch-invariant MLA forward (an "
+      "extra field: the metadata vLLM's own MLA backends read is unchanged)",
+      "vllm_bi.model_executor.attention:wrap_mla_build", wraps=True, when=KIMI,
       remove_when="the MLA forward row goes"),
     P("vllm.model_executor.warmup.kernel_warmup:qwen_triton_warmup", ALL,
       "warms vLLM's GDN Triton kernels, which BI never runs, and assumes stock conv-state shapes",
@@ -277,10 +286,14 @@ LEDGER: tuple[Patch, ...] = (
     P(f"{_ROUTER}.fused_topk_router:FusedTopKRouter._compute_routing", CUDA,
       "ops.topk_softmax (CUDA C++) is not the trainer's router", "ops.moe.softmax_topk",
       "vllm_bi.patch.cuda_moe:fused_topk_compute_routing", when=OWN_OPS),
+    P(f"{_ROUTER}.grouped_topk_router:GroupedTopKRouter._compute_routing", CUDA,
+      "vLLM's grouped top-k kernels are not the trainer's router (its top-k sum runs in another order)",
+      "ops.moe.sigmoid_topk for sigmoid scores in one group (Kimi Linear's router); other groupings and fused "
+      "shared experts refused", "vllm_bi.patch.cuda_moe:grouped_topk_compute_routing", when=OWN_OPS),
     *(P(f"{_ROUTER}.{mod}:{cls}._compute_routing", CUDA, "no batch-invariant implementation",
         "refused with a message", "vllm_bi.patch.cuda_moe:refuse_routing", when=OWN_OPS,
         remove_when="the op library implements this router")
-      for mod, cls in (("grouped_topk_router", "GroupedTopKRouter"), ("custom_routing_router", "CustomRoutingRouter"),
+      for mod, cls in (("custom_routing_router", "CustomRoutingRouter"),
                        ("fused_topk_bias_router", "FusedTopKBiasRouter"),
                        ("aiter_shared_routed_fused_moe_router", "AiterSharedRoutedFusedMoERouter"),
                        ("routing_simulator_router", "RoutingSimulatorRouter"),
@@ -340,6 +353,7 @@ def active_rows(device: str, settings=None) -> list[Patch]:
         settings = current()
     cond = {"": True, OWN_OPS: settings.ops(device) == "vllm_bi", VLLM_OPS: settings.ops(device) == "vllm",
             CHUNK_MODE: settings.gdn_mode == "chunk",
+            KIMI: device == "cpu" or settings.cuda_feature("kimi-linear"),
             GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device),
             SPEC_CUDA: settings.cuda_feature("speculative")}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
@@ -481,7 +495,9 @@ def ledger_table() -> str:
            "differ from a pristine import are exactly the active rows. `patches/` holds the GDN change as an "
            "upstream-style diff.", "",
            "Platform `all` rows apply on CPU and CUDA; `when` names the setting a row depends on "
-           "(`op library`: CPU always, CUDA with `VLLM_BI_CUDA_OPS=vllm_bi`, the default).", "",
+           "(`op library`: CPU always, CUDA with `VLLM_BI_CUDA_OPS=vllm_bi`, the default; `Kimi Linear on the device`: CPU "
+           "always, CUDA once `kimi-linear` is in `vllm_bi.settings.CUDA_FEATURES` or with "
+           "`VLLM_BI_CUDA_PREVIEW=kimi-linear`).", "",
            "| target | platform | when | why | how | upstream | remove when |", "|---|---|---|---|---|---|---|"]
     for p in LEDGER:
         cells = [f"`{p.target}`", p.platform, p.when or "always", p.why, f"{p.how} (`{p.new}`)", p.upstream,

@@ -3,7 +3,9 @@
 vLLM 0.32 serves many architectures with Mamba-type or linear-attention layers (Mamba, Mamba2 hybrids such as
 Nemotron-H, Granite-4.0-H and Falcon-H1, LFM2's short convolutions, Bailing's and MiniMax's linear attention, Kimi's
 delta attention, OLMo's hybrid GDN). Its own batch-invariant mode covers none of them; vllm_bi covers the Qwen
-GDN layer (:data:`SUPPORTED_LAYERS`) and Kimi Linear (:data:`SUPPORTED_ARCHITECTURES`, CPU). Without this check such
+GDN layer (:data:`SUPPORTED_LAYERS`) and Kimi Linear (:data:`SUPPORTED_ARCHITECTURES`: CPU, and CUDA as the
+``kimi-linear`` feature of :mod:`vllm_bi.settings`, refused there unless ``VLLM_BI_CUDA_PREVIEW`` names it until a
+GPU gate shows it exact). Without this check such
 a model would be refused later, when the loaded model is audited (``patch.audit``), after its weights are read; here
 it is refused at configuration time with the layer type named.
 
@@ -29,10 +31,12 @@ SUPPORTED_LAYERS = {
 # architecture -> (the platforms it is served on, what makes it batch-invariant): models whose vLLM module also holds
 # state layers of other architectures (Kimi Linear shares its package with Kimi K3)
 SUPPORTED_ARCHITECTURES = {
-    "KimiLinearForCausalLM": (("cpu",), "its KDA layers in the recurrent or chunk GDN mode "
+    "KimiLinearForCausalLM": (("cpu", "cuda"), "its KDA layers in the recurrent or chunk GDN mode (CUDA: recurrent) "
                               "(model_executor.gdn.bi_kda_forward) and its MLA layers in one formulation "
                               "(model_executor.attention.bi_mla_forward)"),
 }
+# architecture -> the vllm_bi.settings CUDA feature that serves it on CUDA (gated, or previewed for measuring)
+CUDA_FEATURE = {"KimiLinearForCausalLM": "kimi-linear"}
 _ROOT = "MambaBase"
 _MODEL_PREFIXES = ("vllm.model_executor.models.", "vllm.models.")
 _LAYER_PACKAGE = "vllm.model_executor.layers.mamba"
@@ -171,8 +175,11 @@ def local_architecture(model: str) -> str | None:
 
 
 def _platform() -> str:
+    """``rocm``, ``cuda`` or ``cpu`` (any other platform: vllm_bi's ledger refuses it when it applies)."""
     from vllm.platforms import current_platform
 
+    if current_platform.is_rocm():
+        return "rocm"
     return "cuda" if current_platform.is_cuda_alike() else "cpu"
 
 
@@ -186,12 +193,21 @@ def refusal(model_config) -> str | None:
         return None  # attention-only: the layer audit after loading covers it
     arch = model_config.architecture
     if arch in SUPPORTED_ARCHITECTURES:
-        platforms = SUPPORTED_ARCHITECTURES[arch][0]
-        if _platform() in platforms:
+        platforms, platform = SUPPORTED_ARCHITECTURES[arch][0], _platform()
+        if platform not in platforms:
+            return (f"vllm_bi: {arch} is served batch-invariantly on {', '.join(platforms)} only so far (its KDA and "
+                    f"MLA forwards have no {platform.upper()} path yet). Fix: serve it on a CPU build of vLLM, or "
+                    "without VLLM_BATCH_INVARIANT=1.")
+        feature = CUDA_FEATURE.get(arch) if platform == "cuda" else None
+        if feature is None:
             return None
-        return (f"vllm_bi: {arch} is served batch-invariantly on {', '.join(platforms)} only so far (its KDA and MLA "
-                f"forwards have no {_platform().upper()} path yet). Fix: serve it on a CPU build of vLLM, or without "
-                "VLLM_BATCH_INVARIANT=1.")
+        from vllm_bi.settings import current
+
+        if current().cuda_feature(feature):
+            return None
+        return (f"vllm_bi: {arch} on CUDA has not been shown exact by a GPU gate yet. Fix: serve it on a CPU build "
+                f"of vLLM, or set VLLM_BI_CUDA_PREVIEW={feature} to run it unverified (for measuring), or serve "
+                "without VLLM_BATCH_INVARIANT=1.")
     module = _module_of(arch)
     layers = state_layers(module) if module else []
     if layers and all(layer in SUPPORTED_LAYERS for layer in layers):
