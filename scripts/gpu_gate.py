@@ -8,8 +8,8 @@ default arithmetic (``vllm_bi.settings.DEFAULT_PRESET``); the other of the two p
 ``auto`` (Triton GEMM with the shipped H200 tile table, decode CUDA graphs where the mode allows them) or ``portable``
 (float64 GEMM, eager), whichever is not the default, in every mode on qwen3.5 and the unusual model;
 Qwen3.5-9B layer dimensions in the chunk and recurrent modes; a tiny Kimi Linear (KDA, MLA over TRITON_MLA, the
-grouped router) in the recurrent mode, with ``VLLM_BI_CUDA_PREVIEW=kimi-linear`` for that job while ``kimi-linear`` is
-not in ``vllm_bi.settings.CUDA_FEATURES``; and a stock-vLLM control that must differ. Prompts of 5-700 words, 2
+grouped router) in the recurrent mode once ``kimi-linear`` is in ``vllm_bi.settings.CUDA_FEATURES``; and a
+stock-vLLM control that must differ. Prompts of 5-700 words, 2
 samples each, 48 tokens.
 
     python3 scripts/gpu_gate.py --out $OUT          # staged by scripts/gpu_run.sh install (docs/gpu.md): about 6 min
@@ -56,7 +56,7 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
     out = []
 
     def add(model_key, mode, arithmetic, stock=False, max_tokens=48, trainer="vllm_bi", chunk_decode=None,
-            preview=None, attention=None):
+            attention=None):
         extra = dict(NAMED[arithmetic], **({"attention": attention} if attention else {}))
         preset = DEFAULT_PRESET if arithmetic == "default" else arithmetic
         name = (f"control: stock vLLM {model_key}" if stock
@@ -68,7 +68,7 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
         if trainer != "vllm_bi":
             name += f", trainer: {trainer}"
         job = S._parity(name, m[model_key], gdn=mode, n=2, max_tokens=max_tokens, prompts=prompts, stock=stock,
-                        mem=MEM, trainer=trainer, chunk_decode=chunk_decode, preview=preview, **extra)
+                        mem=MEM, trainer=trainer, chunk_decode=chunk_decode, **extra)
         out.append((job, {"model": model_key, "gdn_mode": mode, "arithmetic": "stock" if stock else arithmetic,
                           "trainer": trainer}))
 
@@ -85,10 +85,11 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
     # the chunk mode's padded decode, captured in CUDA graphs (opt-in)
     for key in ("qwen3.5", "qwen3-next"):
         add(key, "chunk", "default", chunk_decode="padded")
-    # Kimi Linear on CUDA: previewed for this job until a gate it passes lands kimi-linear in CUDA_FEATURES
-    # (the torch attention op: the tiny model's MLA head dim, 96, is no power of two, which the Triton kernel needs)
-    add("kimi-linear", "recurrent", "default", preview=None if "kimi-linear" in CUDA_FEATURES else "kimi-linear",
-        attention="torch")
+    # Kimi Linear once it is a CUDA feature (the tree that lists it is the tree the gate runs; as a preview it is
+    # checked by its own GPU test, tests/gpu/test_kimi_linear_cuda.py). The torch attention op: the MLA head dim,
+    # 128 + 64, is no power of two, which the Triton kernel needs.
+    if "kimi-linear" in CUDA_FEATURES:
+        add("kimi-linear", "recurrent", "default", attention="torch")
     add("qwen3.5-moe-odd", "recurrent", "default", stock=True)
     return out
 

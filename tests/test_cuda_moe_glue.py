@@ -258,7 +258,24 @@ def test_check_moe_method_needs_the_patched_experts():
         cuda_moe.check_moe_method(method, _layer(cfg, w13, w2))
 
 
-def test_other_routers_and_fused_gate_refused(patched):
+@pytest.fixture
+def kimi_feature(monkeypatch):
+    """The kimi-linear CUDA feature on for one test (``VLLM_BI_CUDA_PREVIEW``), the settings re-read in and out."""
+    from vllm_bi import settings
+
+    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "kimi-linear")
+    settings.reload()
+    yield
+    monkeypatch.undo()
+    settings.reload()
+
+
+def test_grouped_router_refused_while_the_kimi_feature_is_off(patched):
+    with pytest.raises(NotImplementedError, match="VLLM_BI_CUDA_PREVIEW=kimi-linear"):
+        _grouped_router()._compute_routing(torch.zeros(5, H), torch.randn(5, E), None)
+
+
+def test_other_routers_and_fused_gate_refused(patched, kimi_feature):
     from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
@@ -287,7 +304,7 @@ def _grouped_router(groups=1, topk_group=1, scoring="sigmoid", bias=None, fused_
                              e_score_correction_bias=bias, num_fused_shared_experts=fused_shared)
 
 
-def test_grouped_router_is_the_trainers_sigmoid_topk(patched):
+def test_grouped_router_is_the_trainers_sigmoid_topk(patched, kimi_feature):
     """Kimi Linear's router on CUDA: ``GroupedTopKRouter`` -> ``cuda_moe.grouped_topk_compute_routing`` gives
     ``ops.moe.sigmoid_topk``'s weights and ids bit for bit (the trainer's ``kimi_moe_block``), through the router's
     public ``select_experts``. Control: the same scores without the correction bias choose other experts."""

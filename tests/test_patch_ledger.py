@@ -66,10 +66,10 @@ def test_rows_follow_the_settings():
     cuda_kimi = {p.target for p in active_rows("cuda", Settings(cuda_preview="kimi-linear"))}
     assert {t.split(":")[1] for t in cuda_kimi - cuda_base} == kimi and not cuda_base - cuda_kimi
     assert {t.split(":")[1] for t in base if t.split(":")[1] in kimi} == kimi - {"enable_kimi_k3_low_latency_gemm"}
-    # speculative decoding's verification row: on CUDA only with its feature
-    cuda_spec = {p.target for p in active_rows("cuda", Settings(cuda_preview="speculative"))}
-    assert {t.split(":")[1] for t in cuda_spec - cuda_base} == {"RejectionSampler.__call__"}
-    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_kimi | cuda_spec
+    # speculative decoding's verification row: on CUDA with its feature (a CUDA feature by default)
+    spec_rows = {p.target for p in LEDGER if p.when == "speculative decoding on CUDA"}
+    assert {t.split(":")[1] for t in spec_rows} == {"RejectionSampler.__call__"} and spec_rows <= cuda_base
+    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_kimi
     own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     theirs = [p for p in active_rows("cuda", Settings(cuda_ops="vllm")) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     assert [p.new for p in own] == ["vllm_bi.patch.cpu_layers:gemma_rms_forward"]

@@ -213,25 +213,34 @@ def settings_env(monkeypatch):
     settings.reload()
 
 
-def test_speculative_decoding_on_cuda_is_a_preview_refused_by_default(settings_env):
-    from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
-
-    settings_env()
-    with pytest.raises(BatchInvarianceConfigError, match="VLLM_BI_CUDA_PREVIEW=speculative"):
-        _check_speculative(_args(), _Platform("cuda"))
-    args = _args()
-    _check_speculative(args, _Platform("cpu"))  # CPU: served as before
-    assert args.enable_prefix_caching is False and args.enforce_eager is False
-
-
 def test_speculative_decoding_on_cuda_runs_model_runner_v2_eagerly(settings_env):
+    """A CUDA feature by default (``settings.CUDA_FEATURES``): Model Runner V2 in every process, eager steps, prefix
+    caching off; CPU keeps its own runner and eager mode."""
+    from vllm_bi import settings
     from vllm_bi.patch.engine_config import _check_speculative
 
-    settings_env(VLLM_BI_CUDA_PREVIEW="speculative")
+    settings_env()
+    assert "speculative" in settings.CUDA_FEATURES
     args = _args()
     _check_speculative(args, _Platform("cuda"))
     assert args.enforce_eager is True and args.enable_prefix_caching is False
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
+    args = _args()
+    _check_speculative(args, _Platform("cpu"))
+    assert args.enable_prefix_caching is False and args.enforce_eager is False
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+
+
+def test_speculative_decoding_refused_where_it_is_no_cuda_feature(settings_env, monkeypatch):
+    """Control: with the feature taken off CUDA's list, a CUDA server refuses speculation by name."""
+    from vllm_bi import settings
+    from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
+
+    monkeypatch.setattr(settings, "CUDA_FEATURES", ())
+    settings_env()
+    with pytest.raises(BatchInvarianceConfigError, match="VLLM_BI_CUDA_PREVIEW=speculative"):
+        _check_speculative(_args(), _Platform("cuda"))
 
 
 @pytest.mark.parametrize("env,spec,message", [
@@ -244,6 +253,6 @@ def test_speculative_decoding_on_cuda_runs_model_runner_v2_eagerly(settings_env)
 def test_speculative_decoding_on_cuda_refuses_what_it_cannot_verify(settings_env, env, spec, message):
     from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
 
-    settings_env(VLLM_BI_CUDA_PREVIEW="all", **env)
+    settings_env(**env)
     with pytest.raises(BatchInvarianceConfigError, match=message):
         _check_speculative(_args(**spec), _Platform("cuda"))

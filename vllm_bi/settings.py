@@ -78,8 +78,9 @@ DIGEST_AUTO_CUDA = "triton"
 # layout, so a change here lands with a full GPU gate run, as DEFAULT_PRESET does.
 CANONICAL_ROWS_CUDA = True
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
-# here runs a CUDA path that a full GPU gate showed exact. VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
-CUDA_FEATURES: tuple[str, ...] = ()
+# here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
+# (speculative decoding: tests/gpu/test_speculative_cuda.py). VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
+CUDA_FEATURES: tuple[str, ...] = ("speculative",)
 PREVIEW_FEATURES = ("speculative", "kimi-linear")
 
 SETTINGS = (
@@ -122,9 +123,9 @@ SETTINGS = (
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
     _Spec("cuda_preview", "none", ("none", *PREVIEW_FEATURES, "all"),
-          "run a CUDA path no GPU gate has shown exact yet, for measuring: speculative decoding (MTP drafts "
-          "verified by exact match in vLLM's V2 model runner), Kimi Linear (KDA in the recurrent mode, MLA over "
-          "TRITON_MLA), or all; none refuses them on CUDA by name"),
+          "run a CUDA path no GPU gate has shown exact yet, for measuring: Kimi Linear (KDA in the recurrent mode, "
+          "MLA over TRITON_MLA); speculative decoding is served on CUDA by default; none refuses the previews by "
+          "name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )

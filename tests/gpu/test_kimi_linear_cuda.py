@@ -32,7 +32,7 @@ from vllm_bi.tiny_models import build_tiny_model  # noqa: E402
 
 ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.15"]
-# the tiny model's MLA head dim (32 + 64) is no power of two, which the Triton attention kernel needs: the torch
+# the MLA head dim (128 + 64, Kimi Linear 48B's) is no power of two, which the Triton attention kernel needs: the torch
 # attention op, in the server and in this process's trainer alike
 PREVIEW = {"VLLM_BI_CUDA_PREVIEW": "kimi-linear", "VLLM_BI_ATTENTION": "torch", "VLLM_SERVER_DEV_MODE": "1",
            "VLLM_USE_FLASHINFER_SAMPLER": "0"}

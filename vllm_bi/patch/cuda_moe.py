@@ -50,9 +50,16 @@ def fused_topk_compute_routing(self, hidden_states, router_logits, indices_type,
 def grouped_topk_compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
     """``GroupedTopKRouter._compute_routing`` -> :func:`vllm_bi.patch.cpu_moe.grouped_topk` (the trainer's
     ``ops.moe.sigmoid_topk``: Kimi Linear's router, sigmoid scores in one expert group, the score correction bias,
-    renormalised, scaled). Fused shared experts and any other grouping or scoring are refused by name."""
+    renormalised, scaled). Fused shared experts and any other grouping or scoring are refused by name; so is every
+    grouped router while the ``kimi-linear`` CUDA feature is off (:meth:`vllm_bi.settings.Settings.cuda_feature`)."""
     from vllm_bi.patch.cpu_moe import grouped_topk
+    from vllm_bi.settings import current
 
+    if not current().cuda_feature("kimi-linear"):
+        raise NotImplementedError(
+            "vllm_bi: MoE router GroupedTopKRouter is served on CUDA for Kimi Linear only, as a preview not yet shown "
+            "exact on a GPU: set VLLM_BI_CUDA_PREVIEW=kimi-linear to measure it, or serve without "
+            "VLLM_BATCH_INVARIANT=1")
     if getattr(self, "num_fused_shared_experts", 0):
         raise NotImplementedError(
             f"vllm_bi: MoE routing with {self.num_fused_shared_experts} fused shared experts is not batch-invariant "

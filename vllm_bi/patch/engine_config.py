@@ -5,8 +5,7 @@ runs once, in the process that builds the engine, before any model is loaded:
 
 - the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
 - speculative decoding: the MTP drafter in the recurrent GDN mode, drafts verified by exact match, prefix caching
-  off; on CPU, and on CUDA in Model Runner V2 with eager steps when ``VLLM_BI_CUDA_PREVIEW`` names it (anything else
-  refused with the fix);
+  off; on CPU, and on CUDA in Model Runner V2 with eager steps (anything else refused with the fix);
 - CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
   ``VLLM_BI_CUDA_GRAPHS`` resolves to ``decode`` (:meth:`vllm_bi.settings.Settings.decode_graphs`,
   :func:`_check_graphs`) and runs every other step eagerly, with TRITON_ATTN as the attention backend when none
@@ -150,8 +149,8 @@ SPEC_METHODS = ("mtp", "qwen3_5_mtp", "qwen3_next_mtp")  # the model's own multi
 
 def _check_speculative(args, platform) -> None:
     """``--speculative-config`` under batch invariance: the model's MTP drafter, in the recurrent GDN mode, without
-    prefix caching, on CPU; on CUDA with ``VLLM_BI_CUDA_PREVIEW=speculative`` (until a GPU gate covers it) in vLLM's
-    Model Runner V2 with eager steps. Each verified row has a one-token decode's bits
+    prefix caching, on CPU, and on CUDA (while ``speculative`` is a CUDA feature, :data:`vllm_bi.settings.CUDA_FEATURES`)
+    in vLLM's Model Runner V2 with eager steps. Each verified row has a one-token decode's bits
     (:func:`vllm_bi.model_executor.gdn.verify_rows`), and verification keeps a draft exactly when it equals the
     sample decoding without drafts would draw at that position (:func:`vllm_bi.patch.sampling.verify_drafts` on CPU,
     :func:`vllm_bi.patch.sampling.verify_drafts_v2` on CUDA), so a request's tokens and logprobs are those of
@@ -166,10 +165,12 @@ def _check_speculative(args, platform) -> None:
         raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
     cuda = platform.is_cuda()
     if not platform.is_cpu() and not (cuda and settings.cuda_feature("speculative")):
-        raise BatchInvarianceConfigError(
-            "vllm_bi: speculative decoding under batch invariance is verified on CPU only so far (no GPU gate has "
-            "shown it exact); remove --speculative-config, or set VLLM_BI_CUDA_PREVIEW=speculative on CUDA to measure "
-            "it unverified.")
+        from vllm_bi.settings import CUDA_FEATURES
+
+        where = "CPU and CUDA" if "speculative" in CUDA_FEATURES else "CPU"
+        fix = ", or set VLLM_BI_CUDA_PREVIEW=speculative to measure it unverified" if cuda else ""
+        raise BatchInvarianceConfigError(f"vllm_bi: speculative decoding under batch invariance is served on {where} "
+                                         f"only; remove --speculative-config{fix}.")
     if method not in SPEC_METHODS:
         raise BatchInvarianceConfigError(
             f"vllm_bi: speculative decoding method {method!r} is not supported under batch invariance; use the "
