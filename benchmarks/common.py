@@ -1,8 +1,24 @@
-"""Shared timing helper of the GPU benchmarks (``python benchmarks/<name>.py`` puts this folder on sys.path)."""
+"""Shared timing helpers of the benchmarks (``python benchmarks/<name>.py`` puts this folder on sys.path)."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
+
+
+def host_ms(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` by the host clock, after ``warmup`` calls (CPU runs; on CUDA
+    use :func:`timed`)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def timed(fn, reps: int = 10, warmup: int = 3) -> float:

@@ -11,27 +11,16 @@ forward+backward over 8 sequences of 128 tokens. Median wall-clock ms of 5 runs 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from common import emit
+from common import emit, host_ms
 
 from vllm_bi.gdn.layer import gdn_varlen
 
 DIMS = {"tiny (1/2 heads)": (1, 2), "wide (4/8 heads)": (4, 8)}
 K = V = 128
 W = 4
-
-
-def median_ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def _case(H, HV, lens, grad=False):
@@ -71,7 +60,7 @@ def main() -> None:
                  ("decode 16 seqs", _case(H, HV, [1] * 16), _case(H, HV, [32] * 16)),
                  ("train fwd+bwd 8x128", _case(H, HV, [128] * 8, grad=True), _case(H, HV, [128] * 8, grad=True))]
         for label, rec, chk in cases:
-            t_r, t_c = median_ms(lambda: rec("recurrent")), median_ms(lambda: chk("chunk"))
+            t_r, t_c = host_ms(lambda: rec("recurrent")), host_ms(lambda: chk("chunk"))
             rows.append(f"| {name} | {label} | {t_r:.1f} | {t_c:.1f} | {t_c / t_r:.2f}x |")
             print(rows[-1], flush=True)
     emit("\n".join(rows) + "\n", args.out)

@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import statistics
-import time
 import types
 from unittest import mock
 
 import torch
 
-from common import emit
+from common import emit, host_ms
 
 H, K, W = 32, 128, 4  # Kimi Linear 48B: 32 KDA heads of 128, short conv width 4
 LOWER_BOUND = -5.0
@@ -149,17 +147,6 @@ def stock_step(shape: Shape, heads: int, dim: int, dev: str):
     return step
 
 
-def host_ms(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _ms(t):
     return "n/a" if t is None else f"{t:.3f}"
 
@@ -198,7 +185,7 @@ def main() -> None:
                 bi_wall, bi_gpu = timed(step, args.reps), gpu_ms(step)
         else:
             with bi_step(shape, heads, dim, dev) as step:
-                bi_wall = host_ms(step, args.reps)
+                bi_wall = host_ms(step, args.reps, warmup=2)
         lines.append(f"| {shape.label} | {_ms(stock_wall)} | {_ms(bi_wall)} | {_ratio(bi_wall, stock_wall)} | "
                      f"{_ms(stock_gpu)} | {_ms(bi_gpu)} | {_ratio(bi_gpu, stock_gpu)} |")
         print(lines[-1], flush=True)

@@ -19,13 +19,11 @@ from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.parity import trainer_logprobs
 from vllm_bi.tiny_models import add_mtp_layer
+from speculation import PROMPTS, SPEC, greedy, plain_run, speculative_run
 
 pytestmark = pytest.mark.server
 
-K = 3  # draft tokens per step
 ARGS = ["--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--no-enable-prefix-caching"]
-SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
-PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 40, 150)] + [[5, 900, 31, 7, 7, 7, 64, 2]]
 
 
 @pytest.fixture(scope="module")
@@ -33,35 +31,20 @@ def mtp_model(tiny_model_path, tmp_path_factory):
     return add_mtp_layer(tiny_model_path("qwen3-next"), str(tmp_path_factory.mktemp("mtp") / "qwen3-next-mtp"))
 
 
-def _greedy(srv, prompts, max_tokens=24):
-    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens) for p in prompts])
-
-
-def _sampled(srv, prompts, max_tokens=24):
-    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=100 + i)
-                              for i, p in enumerate(prompts)])
-
-
 @pytest.fixture(scope="module")
 def served(mtp_model):
     """Greedy completions of every prompt from a batch-invariant server with and without speculation; with it, also
     each prompt alone, the server's acceptance counters and its answer to a request at a temperature."""
-    out = {}
     env = cpu_env(True, {"VLLM_SERVER_DEV_MODE": "1"})
     with VllmServer(mtp_model, env=env, args=ARGS) as srv:
-        out["plain"] = _greedy(srv, PROMPTS)
-        out["plain_sampled"] = _sampled(srv, PROMPTS)
+        out = plain_run(srv)
     with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
-        out["spec"] = _greedy(srv, PROMPTS)
-        out["spec_sampled"] = _sampled(srv, PROMPTS)
-        out["alone"] = [_greedy(srv, [p])[0] for p in PROMPTS]
-        out["accepted"] = srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total")
-        out["drafted"] = srv.metric_sum("vllm:spec_decode_num_draft_tokens_total")
+        out.update(speculative_run(srv))
         with pytest.raises(ServerError) as refused:
             srv._post("/v1/completions", {"model": srv.model, "prompt": PROMPTS[0], "max_tokens": 4,
                                           "repetition_penalty": 1.3})
         out["refused"] = str(refused.value)
-        out["after"] = _greedy(srv, PROMPTS[:1])[0]
+        out["after"] = greedy(srv, PROMPTS[:1])[0]
     return out
 
 
@@ -78,12 +61,12 @@ def test_speculation_at_a_temperature_changes_no_bit(served):
     and a draft is kept only when it equals that sample."""
     for plain, spec in zip(served["plain_sampled"], served["spec_sampled"]):
         assert spec.token_ids == plain.token_ids and spec.logprobs == plain.logprobs
-    greedy = [c.token_ids for c in served["spec"]]
-    assert [c.token_ids for c in served["spec_sampled"]] != greedy  # sampling, not greedy decoding
+    greedy_ids = [c.token_ids for c in served["spec"]]
+    assert [c.token_ids for c in served["spec_sampled"]] != greedy_ids  # sampling, not greedy decoding
 
 
 def test_speculation_batch_invariant(served):
-    for alone, busy in zip(served["alone"], served["spec"]):
+    for alone, busy in zip(served["alone"] + served["alone_sampled"], served["spec"] + served["spec_sampled"][:1]):
         assert alone.token_ids == busy.token_ids and alone.logprobs == busy.logprobs
 
 
@@ -102,9 +85,9 @@ def test_stock_speculation_changes_logprob_bits(mtp_model):
     """Negative control: without batch invariance the same drafter changes the served logprobs' bits."""
     env, eager = cpu_env(False), ["--enforce-eager"]  # stock's kernels without its compile step (start-up time)
     with VllmServer(mtp_model, batch_invariant=False, env=env, args=ARGS + eager) as srv:
-        plain = _greedy(srv, PROMPTS)
+        plain = greedy(srv, PROMPTS)
     with VllmServer(mtp_model, batch_invariant=False, env=env, args=ARGS + eager + SPEC) as srv:
-        spec = _greedy(srv, PROMPTS)
+        spec = greedy(srv, PROMPTS)
     assert any(p.logprobs != s.logprobs for p, s in zip(plain, spec))
 
 

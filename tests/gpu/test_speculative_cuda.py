@@ -1,5 +1,5 @@
-"""Speculative decoding on CUDA under batch invariance (``VLLM_BI_CUDA_PREVIEW=speculative``): Qwen3.5's MTP drafter,
-drafts verified by exact match in vLLM's Model Runner V2 (``patch.sampling.verify_drafts_v2``), eager steps.
+"""Speculative decoding on CUDA under batch invariance (a CUDA feature, ``settings.CUDA_FEATURES``): Qwen3.5's MTP
+drafter, drafts verified by exact match in vLLM's Model Runner V2 (``patch.sampling.verify_drafts_v2``), eager steps.
 
 The criterion: a request's tokens and logprobs with speculation on equal those with speculation off, bit for bit,
 greedy or seeded at temperature 1, alone or in a busy batch, and equal the trainer's recompute on the GPU. Both BI
@@ -11,8 +11,6 @@ drafter serves other logprob bits.
 On the device: `VLLM_BI_PYTEST_TIMEOUT=540 bash scripts/gpu_run.sh pytest tests/gpu/test_speculative_cuda.py ;`
 """
 
-import json
-
 import pytest
 from gpu_env import require_cuda_vllm_fla
 
@@ -20,14 +18,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 require_cuda_vllm_fla()
 
+from speculation import PROMPTS, SPEC, greedy, plain_run, speculative_run  # noqa: E402
+
 from vllm_bi.launcher import VllmServer, cpu_env  # noqa: E402
 
-K = 3
 ARGS = ["--max-num-batched-tokens", "2048", "--max-num-seqs", "16", "--no-enable-prefix-caching",
         "--gpu-memory-utilization", "0.25"]
-SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
-PROMPTS = [list(range(10, 10 + n)) for n in (3, 17, 40, 150)] + [[5, 900, 31, 7, 7, 7, 64, 2]]
-PREVIEW = {"VLLM_BI_CUDA_PREVIEW": "speculative", "VLLM_SERVER_DEV_MODE": "1"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +33,6 @@ def mtp_model(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("spec")
     return add_mtp_layer(build_tiny_model("qwen3.5", str(root / "qwen3.5")), str(root / "qwen3.5-mtp"))
-
-
-def _greedy(srv, prompts, max_tokens=24):
-    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens) for p in prompts])
-
-
-def _sampled(srv, prompts, max_tokens=24):
-    return srv.complete_many([dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=100 + i)
-                              for i, p in enumerate(prompts)])
 
 
 def _differences(a, b) -> list[str]:
@@ -60,19 +48,11 @@ def _differences(a, b) -> list[str]:
 
 @pytest.fixture(scope="module")
 def served(mtp_model):
-    out = {}
-    env = cpu_env(True, PREVIEW)
+    env = cpu_env(True, DEV_MODE)
     with VllmServer(mtp_model, env=env, args=ARGS) as srv:
-        out["plain"] = _greedy(srv, PROMPTS)
-        out["plain_sampled"] = _sampled(srv, PROMPTS)
+        out = plain_run(srv)
     with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
-        out["spec"] = _greedy(srv, PROMPTS)
-        out["spec_sampled"] = _sampled(srv, PROMPTS)
-        out["alone"] = [_greedy(srv, [p])[0] for p in PROMPTS]
-        out["alone_sampled"] = [_sampled(srv, [p])[0] for p in PROMPTS[:1]]
-        out["accepted"] = srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total")
-        out["drafted"] = srv.metric_sum("vllm:spec_decode_num_draft_tokens_total")
-        out["log"] = srv.log_path
+        out.update(speculative_run(srv))
     print(f"drafted {out['drafted']}, accepted {out['accepted']}")
     return out
 
@@ -108,7 +88,7 @@ def test_stock_speculation_changes_logprob_bits(mtp_model):
     env = cpu_env(False)
     stock = ARGS + ["--enforce-eager", "--gdn-prefill-backend", "triton"]
     with VllmServer(mtp_model, batch_invariant=False, env=env, args=stock) as srv:
-        plain = _greedy(srv, PROMPTS)
+        plain = greedy(srv, PROMPTS)
     with VllmServer(mtp_model, batch_invariant=False, env=env, args=stock + SPEC) as srv:
-        spec = _greedy(srv, PROMPTS)
+        spec = greedy(srv, PROMPTS)
     assert _differences(plain, spec) != []
