@@ -357,8 +357,9 @@ def profile_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def parity_part(model: str, out_dir: str, server_args: str) -> dict:
-    """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens."""
+def parity_part(model: str, out_dir: str, extra_server_args: str = "") -> dict:
+    """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens (``extra_server_args``: more
+    ``vllm serve`` arguments, e.g. a speculative config)."""
     rng = random.Random(7)
     words = ("the of and a to in is you that it he was for on are as with his they at be this have from or one had "
              "by word but not what all were we when your can said there use an each which she do how their if will "
@@ -371,7 +372,7 @@ def parity_part(model: str, out_dir: str, server_args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI_")}
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--prompts", path, "--n", "4",
             "--max-tokens", "128", "--json", "--trainer-device", "cuda", "--server-args",
-            f"--gpu-memory-utilization 0.45 --max-model-len 2048 {DEVIATIONS}"]
+            f"--gpu-memory-utilization 0.45 --max-model-len 2048 {DEVIATIONS} {extra_server_args}".strip()]
     t0 = time.time()
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=540)
     with open(os.path.join(out_dir, "parity.log"), "w") as f:
@@ -455,7 +456,7 @@ def main() -> int:
                 print(f"[full-scale] {side} profile failed: {e}", flush=True)
             write()
     if args.part in ("parity", "all"):
-        parity = parity_part(args.model, out_dir, args.server_args)
+        parity = parity_part(args.model, out_dir)
         print(f"[full-scale] parity: {parity.get('bitwise_equal')}/{parity.get('tokens')} equal, exit {parity['exit']}",
               flush=True)
         write()

@@ -17,6 +17,11 @@ U(-1, 1)``), other matrices ``N(0, 0.02)``, and the LM head's scale is chosen so
 neither flat nor one-hot: its logits are ``N(0, sigma^2)`` per token (the final norm makes the hidden state's RMS 1),
 with ``sigma`` solved for a mean entropy of ``entropy`` nats (default 3; flat over 248,320 tokens would be 12.4).
 ``mean_entropy`` measures what a written model gives.
+
+``lm_head_rows=N`` instead keeps N rows of the LM head (token ids ``10 .. 10 + N - 1``) with logits of standard
+deviation 10 and zeroes the others, so that decoding picks among N tokens: the checkpoint's random MTP drafter (it
+shares the LM head) then agrees with its target far more often than over the whole vocabulary, which is what a
+speculative-decoding benchmark needs to see acceptance at all (``benchmarks/spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -144,7 +149,10 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def _draw(name: str, shape, seed: int, device, constants: dict[str, float], lm_std: float):
+HEAD_ROWS_FIRST, HEAD_ROWS_LOGIT_STD = 10, 10.0
+
+
+def _draw(name: str, shape, seed: int, device, constants: dict[str, float], lm_std: float, lm_rows: int = 0):
     import torch
 
     g = torch.Generator(device=device).manual_seed(_seed_for(seed, name))
@@ -155,6 +163,10 @@ def _draw(name: str, shape, seed: int, device, constants: dict[str, float], lm_s
         t = torch.rand(shape, generator=g, device=device) * 2.0 - 1.0
     elif kind in constants:
         t = constants[kind] + 0.1 * torch.randn(shape, generator=g, device=device)
+    elif name == "lm_head.weight" and lm_rows:
+        t = torch.zeros(shape, device=device)
+        rows = torch.randn((lm_rows, shape[1]), generator=g, device=device)
+        t[HEAD_ROWS_FIRST : HEAD_ROWS_FIRST + lm_rows] = rows * (HEAD_ROWS_LOGIT_STD / math.sqrt(shape[1]))
     elif name == "lm_head.weight":
         t = torch.randn(shape, generator=g, device=device) * lm_std
     else:
@@ -185,9 +197,10 @@ def build_full_tokenizer(path: str, vocab_size: int, seed: int = 0):
 
 def write_checkpoint(name: str, path: str, seed: int = 0, overrides: dict | None = None, device: str = "cpu",
                      entropy: float = 3.0, shard_bytes: int = 4 << 30, progress: bool = True,
-                     overwrite: bool = False) -> str:
+                     overwrite: bool = False, lm_head_rows: int = 0) -> str:
     """Write the random-weight checkpoint ``name`` (:data:`PUBLISHED`; ``overrides`` change config fields, e.g.
-    ``{"num_hidden_layers": 8}`` for full width with fewer layers) to ``path``; returns ``path``."""
+    ``{"num_hidden_layers": 8}`` for full width with fewer layers) to ``path``; returns ``path``. ``lm_head_rows``:
+    keep that many rows of the LM head (module doc; 0: every row, scaled for ``entropy``)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -196,6 +209,9 @@ def write_checkpoint(name: str, path: str, seed: int = 0, overrides: dict | None
     family, cfg = _config(name, overrides, 0)
     if not 0.0 < entropy < math.log(cfg.vocab_size):  # refused before anything is written
         raise UsageError(f"entropy {entropy} nats: choose between 0 and log(vocab) = {math.log(cfg.vocab_size):.2f}")
+    if not 0 <= lm_head_rows <= cfg.vocab_size - HEAD_ROWS_FIRST:
+        raise UsageError(f"--lm-head-rows {lm_head_rows}: choose 0 (every row) to "
+                         f"{cfg.vocab_size - HEAD_ROWS_FIRST}")
     tmp = f"{path.rstrip(os.sep)}.writing-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -221,7 +237,7 @@ def write_checkpoint(name: str, path: str, seed: int = 0, overrides: dict | None
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         data = {}
         for n, shape in shard:
-            data[n] = _draw(n, shape, seed, device, constants, lm_std)
+            data[n] = _draw(n, shape, seed, device, constants, lm_std, lm_head_rows)
             weight_map[n] = fname
             bar.update(2 * math.prod(shape))
         save_file(data, os.path.join(tmp, fname), metadata={"format": "pt"})
@@ -234,7 +250,7 @@ def write_checkpoint(name: str, path: str, seed: int = 0, overrides: dict | None
         json.dump({"eos_token_id": tok.eos_token_id, "pad_token_id": tok.eos_token_id}, f)
     with open(os.path.join(tmp, "vllm_bi_checkpoint.json"), "w") as f:
         json.dump({"name": name, "seed": seed, "overrides": overrides or {}, "entropy": entropy,
-                   "lm_head_std": lm_std, "parameters": total // 2}, f, indent=1)
+                   "lm_head_std": lm_std, "lm_head_rows": lm_head_rows, "parameters": total // 2}, f, indent=1)
     if os.path.exists(path):
         shutil.rmtree(path)
     os.rename(tmp, path)

@@ -45,7 +45,7 @@ def _cmd_make_checkpoint(args) -> int:
         _require_cuda("--device cuda")
     overrides = {"num_hidden_layers": args.layers} if args.layers else None
     path = write_checkpoint(args.name, args.out, seed=args.seed, overrides=overrides, device=args.device,
-                            entropy=args.entropy, overwrite=args.overwrite)
+                            entropy=args.entropy, overwrite=args.overwrite, lm_head_rows=args.lm_head_rows)
     print(f"wrote {args.name} (seed {args.seed}{f', {args.layers} layers' if args.layers else ''}) to {path}")
     return 0
 
@@ -390,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "the same per device type)")
     mc.add_argument("--entropy", type=_float(0.0, lo_open=True), default=3.0,
                     help="target mean next-token entropy in nats, > 0 and < log(vocabulary) (default 3)")
+    mc.add_argument("--lm-head-rows", type=_int(0), default=0,
+                    help="keep only N rows of the LM head (token ids 10..10+N-1), the others zero: decoding picks "
+                    "among N tokens and the random MTP drafter agrees with its target far more often (a knob for "
+                    "speculative decoding's acceptance); 0, the default: every row, scaled for --entropy")
     mc.add_argument("--overwrite", action="store_true", help="replace what the output directory holds")
     mc.set_defaults(fn=_cmd_make_checkpoint)
 

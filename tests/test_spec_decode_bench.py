@@ -1,0 +1,42 @@
+"""``benchmarks/spec_decode.py``'s pure parts: the sides it takes, and its table's speed-ups, ratios and acceptance
+the right way round."""
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the benchmark imports full_scale and common, as run there
+spec = importlib.util.spec_from_file_location("spec_decode", os.path.join(ROOT, "benchmarks", "spec_decode.py"))
+SD = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(SD)
+
+
+def test_sides():
+    assert SD.parse_sides("stock, vllm_bi+mtp") == ["stock", "vllm_bi+mtp"]
+    with pytest.raises(ValueError, match="choose among stock, stock\\+mtp, vllm_bi, vllm_bi\\+mtp"):
+        SD.parse_sides("vllm_bi+eagle")
+    assert SD.spec_args(2) == ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
+
+
+def _phase(tok_s, tpot, drafted=0.0, accepted=0.0, steps=0.0):
+    return {"tok_s": tok_s, "tpot_ms": tpot, "drafted": drafted, "accepted": accepted, "verify_steps": steps}
+
+
+def test_table_speed_ups_and_acceptance():
+    rows = [{"side": "stock", "greedy1": _phase(100.0, 10.0), "t11": _phase(90.0, 11.0)},
+            {"side": "stock+mtp", "greedy1": _phase(200.0, 5.0, 300, 150, 100), "t11": _phase(90.0, 11.0, 300, 0, 100)},
+            {"side": "vllm_bi", "greedy1": _phase(80.0, 12.5), "t11": _phase(72.0, 13.9)},
+            {"side": "vllm_bi+mtp", "greedy1": _phase(120.0, 8.3, 300, 150, 100), "t11": _phase(72.0, 13.9)},
+            {"side": "vllm_bi", "error": "never started"}]
+    text = "\n".join(SD.table(rows, [1]))
+    greedy = next(line for line in text.splitlines() if line.startswith("| greedy | 1 |"))
+    cells = [c.strip() for c in greedy.strip("|").split("|")]
+    # tok/s (TPOT, acceptance) per side; speed-up of each speculative side over the same side without drafts;
+    # vllm_bi / stock as time (stock tok/s over vllm_bi tok/s)
+    assert cells[2:6] == ["100 (10.00)", "200 (5.00, 50% kept)", "80.00 (12.50)", "120 (8.30, 50% kept)"]
+    assert cells[6:] == ["2.00x", "1.50x", "1.25x", "1.67x"]
+    assert "stock+mtp: 150 of 600 drafts kept (25.0%), 1.75 tokens per verify step" in text
+    assert "vllm_bi: failed: never started" in text
