@@ -90,9 +90,11 @@ def _itl(srv) -> tuple[float, float]:
             srv.metric_sum("vllm:inter_token_latency_seconds_count"))
 
 
-def closed_loop(srv, clients: int, window: float, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> dict:
-    """``clients`` threads each sending one request after another for ``window`` seconds -> tokens per second of
-    wall time (prompt tokens when ``max_tokens`` is 1, else generated tokens) and the mean inter-token latency."""
+def closed_loop(srv, clients: int, window: float, prompt_len: int, max_tokens: int, vocab: int, seed: int,
+                temperature: float = 0.0) -> dict:
+    """``clients`` threads each sending one request after another for ``window`` seconds (greedy, or at
+    ``temperature`` with a seed per request) -> tokens per second of wall time (prompt tokens when ``max_tokens`` is
+    1, else generated tokens) and the mean inter-token latency."""
     rng = random.Random(seed)
     pool = _prompts(clients * 4, prompt_len, vocab, rng)
     lock = threading.Lock()
@@ -106,7 +108,8 @@ def closed_loop(srv, clients: int, window: float, prompt_len: int, max_tokens: i
         while time.perf_counter() < deadline:
             p = pool[(i + k * clients) % len(pool)]
             p = [p[0] + 1 + (k % 7)] + p[1:] if k else p  # another first token: no prefix hit between repeats
-            c = srv.complete(p, max_tokens=max_tokens)
+            c = srv.complete(p, max_tokens=max_tokens, temperature=temperature,
+                             seed=seed * 10**9 + i * 10**6 + k if temperature else None)
             k += 1
             with lock:
                 done["prompt"] += len(p)

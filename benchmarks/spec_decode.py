@@ -27,11 +27,9 @@ import os
 import random
 import shlex
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from full_scale import DEVIATIONS, PeakMemory, _file_label, _prompts, parity_part, side_env
+from full_scale import DEVIATIONS, PeakMemory, _file_label, _prompts, closed_loop, parity_part, side_env
 
 SIDES = ("stock", "stock+mtp", "vllm_bi", "vllm_bi+mtp")
 SERVER_ARGS = "--gpu-memory-utilization 0.85 --max-model-len 4096 --max-num-seqs 256"
@@ -51,11 +49,6 @@ def parse_sides(text: str) -> list[str]:
     return sides
 
 
-def _itl(srv) -> tuple[float, float]:
-    return (srv.metric_sum("vllm:inter_token_latency_seconds_sum"),
-            srv.metric_sum("vllm:inter_token_latency_seconds_count"))
-
-
 def _drafts(srv) -> tuple[float, float, float]:
     """(drafted tokens, accepted tokens, verify steps with drafts) so far (0 on a server without drafts)."""
     return (srv.metric_sum("vllm:spec_decode_num_draft_tokens_total"),
@@ -63,39 +56,13 @@ def _drafts(srv) -> tuple[float, float, float]:
             srv.metric_sum("vllm:spec_decode_num_drafts_total"))
 
 
-def closed_loop(srv, clients: int, window: float, vocab: int, seed: int, temperature: float) -> dict:
-    """``clients`` threads each sending one request after another for ``window`` seconds (at ``temperature``, a
-    seed per request) -> generated tokens/s of wall time, the mean inter-token latency and the drafts of the phase."""
-    rng = random.Random(seed)
-    pool = _prompts(clients * 4, PROMPT_LEN, vocab, rng)
-    lock = threading.Lock()
-    done = {"gen": 0, "requests": 0}
-    s0, c0 = _itl(srv)
+def phase(srv, clients: int, window: float, vocab: int, seed: int, temperature: float) -> dict:
+    """``full_scale.closed_loop`` at ``clients`` (``PROMPT_LEN``-token prompts, ``MAX_TOKENS`` tokens), with the drafts
+    the server made and kept meanwhile."""
     d0 = _drafts(srv)
-    t0 = time.perf_counter()
-    deadline = t0 + window
-
-    def client(i):
-        k = 0
-        while time.perf_counter() < deadline:
-            p = pool[(i + k * clients) % len(pool)]
-            p = [p[0] + 1 + (k % 7)] + p[1:] if k else p  # another first token: no prefix hit between repeats
-            c = srv.complete(p, max_tokens=MAX_TOKENS, temperature=temperature,
-                             seed=seed * 7919 + i * 1000 + k if temperature else None)
-            k += 1
-            with lock:
-                done["gen"] += len(c.token_ids)
-                done["requests"] += 1
-
-    with ThreadPoolExecutor(clients) as ex:
-        list(ex.map(client, range(clients)))
-    wall = time.perf_counter() - t0
-    s1, c1 = _itl(srv)
-    d1 = _drafts(srv)
-    drafted, accepted, steps = (b - a for a, b in zip(d0, d1))
-    return {"tok_s": done["gen"] / wall, "wall_s": wall, "requests": done["requests"], "tokens": done["gen"],
-            "tpot_ms": 1000 * (s1 - s0) / (c1 - c0) if c1 > c0 else None,
-            "drafted": drafted, "accepted": accepted, "verify_steps": steps}
+    m = closed_loop(srv, clients, window, PROMPT_LEN, MAX_TOKENS, vocab, seed, temperature=temperature)
+    m["drafted"], m["accepted"], m["verify_steps"] = (b - a for a, b in zip(d0, _drafts(srv)))
+    return m
 
 
 def serve_side(side: str, model: str, server_args: str, k: int, clients: list[int], window: float, vocab: int,
@@ -116,7 +83,7 @@ def serve_side(side: str, model: str, server_args: str, k: int, clients: list[in
             srv.complete_many([dict(prompt_ids=p, max_tokens=8) for p in warm])  # warm-up, unmeasured
             for c in clients:
                 for name, temp in (("greedy", 0.0), ("t1", 1.0)):
-                    m = closed_loop(srv, c, window, vocab, seed=100 + c, temperature=temp)
+                    m = phase(srv, c, window, vocab, seed=100 + c, temperature=temp)
                     r[f"{name}{c}"] = m
                     print(f"[spec] {side}: {name} at {c}: {m['tok_s']:.0f} tok/s, TPOT {m['tpot_ms']} ms, "
                           f"accepted {m['accepted']:.0f}/{m['drafted']:.0f}", flush=True)

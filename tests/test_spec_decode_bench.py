@@ -40,3 +40,34 @@ def test_table_speed_ups_and_acceptance():
     assert cells[6:] == ["2.00x", "1.50x", "1.25x", "1.67x"]
     assert "stock+mtp: 150 of 600 drafts kept (25.0%), 1.75 tokens per verify step" in text
     assert "vllm_bi: failed: never started" in text
+
+
+def test_a_phase_counts_the_tokens_and_the_drafts_of_its_window():
+    """``phase`` on a stand-in server: every client request's tokens counted, seeded at a temperature (a seed per
+    request), and the draft counters taken as the difference over the window."""
+    import threading
+    import types
+
+    class Server:
+        def __init__(self):
+            self.lock, self.calls, self.drafts = threading.Lock(), [], 0.0
+
+        def complete(self, prompt, max_tokens, temperature, seed):
+            with self.lock:
+                self.calls.append((len(prompt), max_tokens, temperature, seed))
+                self.drafts += 3
+            return types.SimpleNamespace(token_ids=[1] * max_tokens)
+
+        def metric_sum(self, name):
+            return {"vllm:spec_decode_num_draft_tokens_total": self.drafts,
+                    "vllm:spec_decode_num_accepted_tokens_total": self.drafts / 3,
+                    "vllm:spec_decode_num_drafts_total": self.drafts / 3}.get(name, 0.0)
+
+    srv = Server()
+    srv.drafts = 30.0  # counted before the window: not this phase's
+    m = SD.phase(srv, clients=2, window=0.05, vocab=1000, seed=5, temperature=1.0)
+    n = len(srv.calls)
+    assert n >= 2 and m["requests"] == n and m["tokens"] == n * SD.MAX_TOKENS
+    assert m["drafted"] == 3 * n and m["accepted"] == n and m["verify_steps"] == n
+    assert all(c[0] == SD.PROMPT_LEN and c[2] == 1.0 and c[3] is not None for c in srv.calls)
+    assert len({c[3] for c in srv.calls}) == n  # a seed per request
