@@ -45,6 +45,16 @@ def gpu_ms(fn, reps: int = 3) -> float:
     return us / 1000.0 / reps
 
 
+def ms_cell(t: float | None) -> str:
+    """A time in milliseconds for a table cell (``n/a`` when not measured)."""
+    return "n/a" if t is None else f"{t:.3f}"
+
+
+def ratio_cell(t: float | None, ref: float | None) -> str:
+    """``t / ref`` for a table cell (``n/a`` when either is missing or ``ref`` is 0)."""
+    return "n/a" if t is None or ref is None or ref == 0 else f"{t / ref:.2f}x"
+
+
 def emit(table: str, out: str | None) -> None:
     """Print the finished table and also write it to ``out`` when given."""
     print(table)

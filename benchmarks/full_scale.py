@@ -210,6 +210,11 @@ def serve_side(side: str, model: str, server_args: str, window: float, vocab: in
     return r
 
 
+def cell(v: float | None) -> str:
+    """A number for a table cell: thousands separated from 100 on, two decimals below (``n/a`` when missing)."""
+    return "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")
+
+
 def serve_table(rows: list[dict]) -> list[str]:
     def get(r, *path):
         for p in path:
@@ -234,7 +239,6 @@ def serve_table(rows: list[dict]) -> list[str]:
     for side in others:
         head += [side, f"{side} cost" if len(others) > 1 else "vllm_bi cost"]
     out = ["| " + " | ".join(head) + " |", "| --- |" + " ---: |" * (len(head) - 1)]
-    cell = lambda v: "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")  # noqa: E731
     for label, path, kind in metrics:
         a = get(by.get("stock", {}), *path)
         cells = [label, cell(a)]

@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from common import gpu_ms, timed
+from common import gpu_ms, ms_cell, ratio_cell, timed
 
 from vllm_bi.settings import reload as reload_settings
 
@@ -265,14 +265,6 @@ def _autotuned() -> str:
     return "\n".join(out)
 
 
-def _ratio(t, ref):
-    return "n/a" if t is None or ref is None else f"{t / ref:.2f}x"
-
-
-def _ms(t):
-    return "n/a" if t is None else f"{t:.3f}"
-
-
 class Report:
     """The output: printed and, with ``--out``, rewritten after every row (a cut run keeps what it measured)."""
 
@@ -317,7 +309,7 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
     for label, lens in train:  # first use compiles fla-core's backward (tilelang on Hopper): say what is done
         t0 = time.time()
         stock[label] = time_train(lens, "stock", dev, reps)
-        print(f"[train] stock {label}: {_ms(stock[label][0])} ms ({time.time() - t0:.0f} s with compiles)",
+        print(f"[train] stock {label}: {ms_cell(stock[label][0])} ms ({time.time() - t0:.0f} s with compiles)",
               flush=True)
     tuned = _autotuned()
     rep.add("Wall: CUDA events around the step (host "
@@ -335,9 +327,9 @@ def train_tables(rep: Report, train: list, dev: str, reps: int) -> None:
         runs = [stock[label]] + [time_train(lens, m, dev, reps) for m in ("recurrent", "chunk")]
         slow = slow or any(p == "torch recurrence" for _, _, p in runs)
         (ts, gs, _) = runs[0]
-        wall = " | ".join(f"{_ms(t)} | {_ratio(t, ts)}" for t, _, _ in runs[1:])
-        gpu = " | ".join(f"{_ms(g)} | {_ratio(g, gs)}" for _, g, _ in runs[1:])
-        rep.add(f"| {label} | {_ms(ts)} | {wall} | {_ms(gs)} | {gpu} | {'; '.join(p for _, _, p in runs)} |")
+        wall = " | ".join(f"{ms_cell(t)} | {ratio_cell(t, ts)}" for t, _, _ in runs[1:])
+        gpu = " | ".join(f"{ms_cell(g)} | {ratio_cell(g, gs)}" for _, g, _ in runs[1:])
+        rep.add(f"| {label} | {ms_cell(ts)} | {wall} | {ms_cell(gs)} | {gpu} | {'; '.join(p for _, _, p in runs)} |")
     _configs(rep, tuned)
 
 

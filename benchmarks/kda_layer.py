@@ -31,7 +31,7 @@ from unittest import mock
 
 import torch
 
-from common import emit, host_ms
+from common import emit, host_ms, ms_cell, ratio_cell
 
 H, K, W = 32, 128, 4  # Kimi Linear 48B: 32 KDA heads of 128, short conv width 4
 LOWER_BOUND = -5.0
@@ -147,14 +147,6 @@ def stock_step(shape: Shape, heads: int, dim: int, dev: str):
     return step
 
 
-def _ms(t):
-    return "n/a" if t is None else f"{t:.3f}"
-
-
-def _ratio(t, ref):
-    return "n/a" if t is None or ref is None or ref == 0 else f"{t / ref:.2f}x"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="also write the table to this file")
@@ -186,8 +178,9 @@ def main() -> None:
         else:
             with bi_step(shape, heads, dim, dev) as step:
                 bi_wall = host_ms(step, args.reps, warmup=2)
-        lines.append(f"| {shape.label} | {_ms(stock_wall)} | {_ms(bi_wall)} | {_ratio(bi_wall, stock_wall)} | "
-                     f"{_ms(stock_gpu)} | {_ms(bi_gpu)} | {_ratio(bi_gpu, stock_gpu)} |")
+        lines.append(f"| {shape.label} | {ms_cell(stock_wall)} | {ms_cell(bi_wall)} | "
+                     f"{ratio_cell(bi_wall, stock_wall)} | {ms_cell(stock_gpu)} | {ms_cell(bi_gpu)} | "
+                     f"{ratio_cell(bi_gpu, stock_gpu)} |")
         print(lines[-1], flush=True)
     emit("\n".join(lines) + "\n", args.out)
 

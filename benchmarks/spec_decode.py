@@ -29,7 +29,7 @@ import shlex
 import sys
 import time
 
-from full_scale import DEVIATIONS, PeakMemory, _file_label, _prompts, closed_loop, parity_part, side_env
+from full_scale import DEVIATIONS, PeakMemory, _file_label, _prompts, cell, closed_loop, parity_part, side_env
 
 SIDES = ("stock", "stock+mtp", "vllm_bi", "vllm_bi+mtp")
 SERVER_ARGS = "--gpu-memory-utilization 0.85 --max-model-len 4096 --max-num-seqs 256"
@@ -91,10 +91,6 @@ def serve_side(side: str, model: str, server_args: str, k: int, clients: list[in
     return r
 
 
-def _cell(v) -> str:
-    return "n/a" if v is None else (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.2f}")
-
-
 def table(rows: list[dict], clients: list[int]) -> list[str]:
     """One line per (sampling, clients): each side's tokens/s and TPOT, each speculative side's speed-up over the
     same side without drafts and its acceptance, and vllm_bi / stock; then each side's acceptance over the run."""
@@ -114,7 +110,7 @@ def table(rows: list[dict], clients: list[int]) -> list[str]:
             for s in sides:
                 m = get(s)
                 acc = (f", {m['accepted'] / m['drafted']:.0%} kept" if m.get("drafted") else "")
-                cells.append(f"{_cell(m.get('tok_s'))} ({_cell(m.get('tpot_ms'))}{acc})")
+                cells.append(f"{cell(m.get('tok_s'))} ({cell(m.get('tpot_ms'))}{acc})")
             for s in extra:
                 a, b = get(s).get("tok_s"), get(s.split("+")[0]).get("tok_s")
                 cells.append(f"{a / b:.2f}x" if a and b else "")
