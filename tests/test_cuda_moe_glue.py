@@ -260,14 +260,9 @@ def test_check_moe_method_needs_the_patched_experts():
 
 @pytest.fixture
 def kimi_feature(monkeypatch):
-    """The kimi-linear CUDA feature on for one test (``VLLM_BI_CUDA_PREVIEW``), the settings re-read in and out."""
-    from vllm_bi import settings
-
+    """The kimi-linear CUDA feature on for one test (``VLLM_BI_CUDA_PREVIEW``; the suite's ``monkeypatch`` re-reads
+    the settings)."""
     monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "kimi-linear")
-    settings.reload()
-    yield
-    monkeypatch.undo()
-    settings.reload()
 
 
 def test_grouped_router_refused_while_the_kimi_feature_is_off(patched):

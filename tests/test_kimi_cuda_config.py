@@ -39,22 +39,17 @@ CUDA = FakePlatform("cuda")
 
 @pytest.fixture
 def env(monkeypatch):
-    """Set ``VLLM_BI_*`` variables for one test; the settings are re-read after each change and after the test."""
-    monkeypatch.delenv("VLLM_BI_CUDA_PREVIEW", raising=False)
-    monkeypatch.delenv("VLLM_BI_GDN_MODE", raising=False)
-    monkeypatch.delenv("VLLM_BI_CUDA_GRAPHS", raising=False)
-    monkeypatch.delenv("VLLM_BI_PRESET", raising=False)
+    """Set ``VLLM_BI_*`` variables for one test (the suite's ``monkeypatch`` re-reads the settings on each change and
+    restores them after the test)."""
+    for name in ("VLLM_BI_CUDA_PREVIEW", "VLLM_BI_GDN_MODE", "VLLM_BI_CUDA_GRAPHS", "VLLM_BI_PRESET"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
 
     def set_env(**values):
         for k, v in values.items():
             monkeypatch.setenv(k, v)
-        S.reload()
 
-    set_env()
-    yield set_env
-    monkeypatch.undo()
-    S.reload()
+    return set_env
 
 
 def _model(tmp_path, arch):

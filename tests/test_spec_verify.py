@@ -178,15 +178,8 @@ def test_verify_drafts_v2_samples_every_row_with_the_sampler_and_keeps_matching_
     assert out.num_sampled.tolist() == [2, 2] and out.sampled_token_ids[0, :2].tolist() == want_a[:2]
 
 
-class _Platform:
-    def __init__(self, kind: str):
-        self.kind = kind
-
-    def is_cpu(self):
-        return self.kind == "cpu"
-
-    def is_cuda(self):
-        return self.kind == "cuda"
+CPU = types.SimpleNamespace(is_cpu=lambda: True, is_cuda=lambda: False)
+CUDA = types.SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True)
 
 
 def _args(**spec):
@@ -195,52 +188,40 @@ def _args(**spec):
 
 
 @pytest.fixture
-def settings_env(monkeypatch):
-    """Set VLLM_BI_* / vLLM variables for one test; the settings are re-read on the way in and out."""
-    from vllm_bi import settings
-
-    def set_env(**env):
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        settings.reload()
-
-    runner = os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # the check under test sets it
-    yield set_env
-    monkeypatch.undo()
-    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    if runner is not None:
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
-    settings.reload()
+def cuda_env(monkeypatch):
+    """The suite's ``monkeypatch`` (it re-reads the settings), with ``VLLM_USE_V2_MODEL_RUNNER`` unset for the test and
+    restored after it, whatever the check under test writes there."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    return monkeypatch
 
 
-def test_speculative_decoding_on_cuda_runs_model_runner_v2_eagerly(settings_env):
+def test_speculative_decoding_on_cuda_runs_model_runner_v2_eagerly(cuda_env):
     """A CUDA feature by default (``settings.CUDA_FEATURES``): Model Runner V2 in every process, eager steps, prefix
     caching off; CPU keeps its own runner and eager mode."""
     from vllm_bi import settings
     from vllm_bi.patch.engine_config import _check_speculative
 
-    settings_env()
     assert "speculative" in settings.CUDA_FEATURES
     args = _args()
-    _check_speculative(args, _Platform("cuda"))
+    _check_speculative(args, CUDA)
     assert args.enforce_eager is True and args.enable_prefix_caching is False
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER")
     args = _args()
-    _check_speculative(args, _Platform("cpu"))
+    _check_speculative(args, CPU)
     assert args.enable_prefix_caching is False and args.enforce_eager is False
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
-def test_speculative_decoding_refused_where_it_is_no_cuda_feature(settings_env, monkeypatch):
+def test_speculative_decoding_refused_where_it_is_no_cuda_feature(cuda_env):
     """Control: with the feature taken off CUDA's list, a CUDA server refuses speculation by name."""
     from vllm_bi import settings
     from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
 
-    monkeypatch.setattr(settings, "CUDA_FEATURES", ())
-    settings_env()
+    cuda_env.setattr(settings, "CUDA_FEATURES", ())
     with pytest.raises(BatchInvarianceConfigError, match="VLLM_BI_CUDA_PREVIEW=speculative"):
-        _check_speculative(_args(), _Platform("cuda"))
+        _check_speculative(_args(), CUDA)
 
 
 @pytest.mark.parametrize("env,spec,message", [
@@ -250,9 +231,10 @@ def test_speculative_decoding_refused_where_it_is_no_cuda_feature(settings_env, 
     ({}, {"enable_adaptive_verification": True}, "drop enable_adaptive_verification"),
     ({"VLLM_BI_GDN_MODE": "chunk"}, {}, "set VLLM_BI_GDN_MODE=recurrent"),
 ])
-def test_speculative_decoding_on_cuda_refuses_what_it_cannot_verify(settings_env, env, spec, message):
+def test_speculative_decoding_on_cuda_refuses_what_it_cannot_verify(cuda_env, env, spec, message):
     from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
 
-    settings_env(**env)
+    for name, value in env.items():
+        cuda_env.setenv(name, value)
     with pytest.raises(BatchInvarianceConfigError, match=message):
-        _check_speculative(_args(**spec), _Platform("cuda"))
+        _check_speculative(_args(**spec), CUDA)
