@@ -246,8 +246,10 @@ def test_check_moe_method(patched):
         cuda_moe.check_moe_method(method, _layer(cfg, padded, w2))
     layer = _layer(cfg, w13, w2)
     layer.routed_scaling_factor = 2.5
-    with pytest.raises(NotImplementedError, match="routed_scaling_factor"):
+    with pytest.raises(NotImplementedError, match="routed_scaling_factor 2.5 without grouped"):
         cuda_moe.check_moe_method(method, layer)
+    layer.use_grouped_topk = True  # Kimi Linear's layer: its grouped router scales the routing weights
+    cuda_moe.check_moe_method(method, layer)
 
 
 def test_check_moe_method_needs_the_patched_experts():

@@ -80,8 +80,9 @@ CANONICAL_ROWS_CUDA = True
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py). VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
+FEATURES = ("speculative", "kimi-linear")
 CUDA_FEATURES: tuple[str, ...] = ("speculative",)
-PREVIEW_FEATURES = ("speculative", "kimi-linear")
+PREVIEW_FEATURES = tuple(f for f in FEATURES if f not in CUDA_FEATURES)
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -143,7 +144,8 @@ _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "g
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
           "logprobs": "log-softmax op"}
 # retired spellings of a value: one line naming the replacement
-_ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
+# a feature CUDA serves by default needs no preview: naming it is naming none
+_ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}, "cuda_preview": {f: "none" for f in CUDA_FEATURES}}
 # retired values: refused with why and what to use instead
 _RETIRED = {"gdn_mode": {"hybrid": "is no longer a mode (retired: it served at the recurrent mode's speed and was "
                                    "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"}}
@@ -239,9 +241,9 @@ class Settings:
 
     # ------------------------------------------------------------------ resolved for a device
     def cuda_feature(self, name: str) -> bool:
-        """Whether CUDA runs ``name`` (one of :data:`PREVIEW_FEATURES`): gated (:data:`CUDA_FEATURES`) or previewed."""
-        if name not in PREVIEW_FEATURES:
-            raise ValueError(f"unknown CUDA feature {name!r}; one of {', '.join(PREVIEW_FEATURES)}")
+        """Whether CUDA runs ``name`` (one of :data:`FEATURES`): gated (:data:`CUDA_FEATURES`) or previewed."""
+        if name not in FEATURES:
+            raise ValueError(f"unknown CUDA feature {name!r}; one of {', '.join(FEATURES)}")
         return name in CUDA_FEATURES or self.cuda_preview in (name, "all")
 
     def attention_op(self, device: str) -> str:

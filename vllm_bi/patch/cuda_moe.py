@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["fused_topk_compute_routing", "grouped_topk_compute_routing", "refuse_routing", "gate_linear_forward", "refuse_fused_gate",
-           "triton_experts_apply", "check_moe_method", "wrap_process_weights"]
+__all__ = ["fused_topk_compute_routing", "grouped_topk_compute_routing", "refuse_routing", "gate_linear_forward",
+           "refuse_fused_gate", "triton_experts_apply", "check_moe_method", "wrap_process_weights"]
 
 
 # --------------------------------------------------------------------------- router
@@ -166,8 +166,11 @@ def check_moe_method(method, layer) -> None:
         refuse("MoE LoRA")
     if cfg.has_bias:
         refuse("expert bias")
-    if float(getattr(layer, "routed_scaling_factor", 1.0)) != 1.0:
-        refuse(f"routed_scaling_factor {layer.routed_scaling_factor}")
+    scale = float(getattr(layer, "routed_scaling_factor", 1.0))
+    if scale != 1.0 and not getattr(layer, "use_grouped_topk", False):
+        # a grouped layer's router scales the routing weights (grouped_topk_compute_routing, as the trainer's
+        # sigmoid_topk does); any other router handed a scale is refused when it routes
+        refuse(f"routed_scaling_factor {scale} without grouped top-k routing")
     E, H, inter = cfg.num_local_experts, cfg.hidden_dim, cfg.intermediate_size_per_partition
     if (cfg.hidden_dim_unpadded not in (None, H)
             or cfg.intermediate_size_per_partition_unpadded not in (None, inter)):

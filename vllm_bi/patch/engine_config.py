@@ -265,8 +265,7 @@ def _kimi_linear(args, platform) -> bool:
             f"vllm_bi: Kimi Linear's batch-invariant MLA forward reads the {backend} backend's metadata; the chosen "
             f"attention backend {chosen} would not give it. Drop --attention-backend or choose {backend}.")
     if device == "cuda":
-        if not args.enforce_eager:
-            args.enforce_eager = True
+        args.enforce_eager = True
         from vllm_bi.settings import CUDA_FEATURES
 
         logger.warning("vllm_bi: Kimi Linear on CUDA%s: attention backend %s, KDA in the recurrent GDN mode, eager "
