@@ -123,7 +123,9 @@ stop_servers() {
 }
 end_servers() {
   stop_servers
-  local logs; logs=$(find /tmp -maxdepth 1 -name 'vllm_bi_server_*.log' -newer "$1" 2>/dev/null || true)
+  # servers started by VllmServer log to /tmp; tests that start their own write under pytest's tmp folders
+  local logs; logs=$( { find /tmp -maxdepth 1 -name 'vllm_bi_server_*.log' -newer "$1";
+    find /tmp -path '/tmp/pytest-of-*' -name '*.log' -newer "$1"; } 2>/dev/null || true)
   [ -n "$logs" ] && tar -czf "$LOG/server-logs.tar.gz" $logs 2>/dev/null || true
   rm -f "$1"
 }

@@ -1,10 +1,11 @@
 """Kimi Linear's configuration checks on CUDA (``patch.engine_config._kimi_linear``, ``patch.model_families.refusal``)
 driven with a fake CUDA platform object; no engine is started, no GPU needed.
 
-With the ``kimi-linear`` CUDA feature on (``VLLM_BI_CUDA_PREVIEW=kimi-linear``): TRITON_MLA is chosen and steps run
-eagerly; the chunk GDN mode, decode CUDA graphs, another attention backend and ``VLLM_KIMI_K3_GEMM_AR=1`` are each
-refused in one line naming the fix. With the feature off (the default: negative control) the model is refused on
-CUDA, naming the preview variable. A Qwen checkpoint is left alone; ROCm stays refused."""
+With the ``kimi-linear`` CUDA feature on (gated in ``CUDA_FEATURES``, so no variable is needed): TRITON_MLA is chosen
+and steps run eagerly; the chunk GDN mode, decode CUDA graphs, another attention backend, ``VLLM_KIMI_K3_GEMM_AR=1``
+and the Triton attention op (CUDA's default: MLA's head dims are no power of two) are each refused in one line naming
+the fix. With the feature taken out and not previewed (negative control) the model is refused on CUDA, naming the
+preview variable. A Qwen checkpoint is left alone; ROCm stays refused."""
 
 import json
 from types import SimpleNamespace
@@ -40,10 +41,11 @@ CUDA = FakePlatform("cuda")
 @pytest.fixture
 def env(monkeypatch):
     """Set ``VLLM_BI_*`` variables for one test (the suite's ``monkeypatch`` re-reads the settings on each change and
-    restores them after the test)."""
+    restores them after the test). The torch attention op, as Kimi Linear on CUDA needs."""
     for name in ("VLLM_BI_CUDA_PREVIEW", "VLLM_BI_GDN_MODE", "VLLM_BI_CUDA_GRAPHS", "VLLM_BI_PRESET"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
+    monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
 
     def set_env(**values):
         for k, v in values.items():
@@ -88,6 +90,8 @@ def test_preview_on_chooses_triton_mla_and_eager_steps(tmp_path, env, monkeypatc
     ("another backend", {}, "TRITON_ATTN", "Drop --attention-backend or choose TRITON_MLA"),
     ("another MLA backend", {}, "FLASHMLA", "Drop --attention-backend or choose TRITON_MLA"),
     ("fused GEMM + all-reduce", {"VLLM_KIMI_K3_GEMM_AR": "1"}, None, "unset it or set it to 0"),
+    ("Triton attention", {"VLLM_BI_ATTENTION": "triton"}, None, "set VLLM_BI_ATTENTION=torch"),
+    ("CUDA's default attention", {"VLLM_BI_ATTENTION": "auto"}, None, "set VLLM_BI_ATTENTION=torch"),
 ])
 def test_preview_on_refuses_in_one_line(tmp_path, env, case, env_values, backend, fix):
     env(VLLM_BI_CUDA_PREVIEW="kimi-linear", **env_values)
@@ -99,9 +103,10 @@ def test_preview_on_refuses_in_one_line(tmp_path, env, case, env_values, backend
 
 
 def test_preview_off_refuses_kimi_on_cuda(tmp_path, env, monkeypatch):
-    """Negative control: without the preview (and with kimi-linear not in CUDA_FEATURES) the same checkpoint that the
-    tests above configure is refused on CUDA, one line naming VLLM_BI_CUDA_PREVIEW=kimi-linear; nothing is set."""
-    assert "kimi-linear" not in S.CUDA_FEATURES
+    """Negative control: with kimi-linear neither gated (taken out of CUDA_FEATURES here) nor previewed, the same
+    checkpoint that the tests above configure is refused on CUDA, one line naming VLLM_BI_CUDA_PREVIEW=kimi-linear;
+    nothing is set."""
+    monkeypatch.setattr(S, "CUDA_FEATURES", tuple(f for f in S.CUDA_FEATURES if f != "kimi-linear"))
     args = _args(_model(tmp_path, "KimiLinearForCausalLM"))
     assert EC._kimi_linear(args, CUDA) is False
     assert args.attention_backend is None and args.enforce_eager is False
@@ -113,8 +118,8 @@ def test_preview_off_refuses_kimi_on_cuda(tmp_path, env, monkeypatch):
 
 
 def test_gated_feature_needs_no_preview(tmp_path, env, monkeypatch):
-    """Once a GPU gate lists kimi-linear in CUDA_FEATURES, CUDA serves it without the preview variable."""
-    monkeypatch.setattr(S, "CUDA_FEATURES", ("kimi-linear",))
+    """A GPU gate lists kimi-linear in CUDA_FEATURES: CUDA serves it without the preview variable."""
+    assert "kimi-linear" in S.CUDA_FEATURES
     args = _args(_model(tmp_path, "KimiLinearForCausalLM"))
     assert EC._kimi_linear(args, CUDA) is True and args.attention_backend == "TRITON_MLA"
     monkeypatch.setattr(MF, "_platform", lambda: "cuda")

@@ -72,8 +72,9 @@ def test_every_other_recurrent_state_architecture_is_refused_with_its_layer_name
 
 def test_kimi_linear_is_refused_where_its_forwards_have_no_path(monkeypatch):
     """Kimi Linear is listed for CPU and CUDA; on ROCm (named apart from CUDA) it is refused at configuration time,
-    naming the platforms and the fix, and on CUDA while the kimi-linear feature is neither gated nor previewed
-    (``tests/test_kimi_cuda_config.py`` drives the preview). No engine started."""
+    naming the platforms and the fix; on CUDA it is served (a gated CUDA feature), and refused while the kimi-linear
+    feature is neither gated nor previewed (``tests/test_kimi_cuda_config.py`` drives the preview). No engine
+    started."""
     from types import SimpleNamespace
 
     from vllm_bi import settings
@@ -86,6 +87,7 @@ def test_kimi_linear_is_refused_where_its_forwards_have_no_path(monkeypatch):
     why = MF.refusal(config)
     assert why and "served batch-invariantly on cpu, cuda only" in why and "no ROCM path" in why and "\n" not in why
     monkeypatch.setattr(MF, "_platform", lambda: "cuda")
-    if not settings.current().cuda_feature("kimi-linear"):
-        why = MF.refusal(config)
-        assert why and "VLLM_BI_CUDA_PREVIEW=kimi-linear" in why and "\n" not in why
+    assert "kimi-linear" in settings.CUDA_FEATURES and MF.refusal(config) is None
+    monkeypatch.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != "kimi-linear"))
+    why = MF.refusal(config)
+    assert why and "VLLM_BI_CUDA_PREVIEW=kimi-linear" in why and "\n" not in why

@@ -44,7 +44,7 @@ def test_every_row_names_a_vllm_symbol_and_a_replacement():
     assert len(targets) == len(set(targets)), "a row is listed twice"
 
 
-def test_rows_follow_the_settings():
+def test_rows_follow_the_settings(monkeypatch):
     """The settings decide which rows apply: the chunk GDN mode adds its rows (GDN's and KDA's state shapes; CUDA
     serves KDA in the recurrent mode only), the kimi-linear CUDA feature adds Kimi Linear's rows on CUDA, vLLM's own CUDA kernels swap the op-library rows for the norm fixes, the guard's rows go with the
     guard."""
@@ -59,12 +59,19 @@ def test_rows_follow_the_settings():
     unguarded = {p.target for p in active_rows("cpu", Settings(nonfinite_guard=False))}
     assert len(base - unguarded) == 4 and not unguarded - base
     # Kimi Linear's rows (KDA and MLA forwards, the MLA metadata, no low-latency GEMMs): always on CPU, on CUDA only
-    # with the kimi-linear feature (VLLM_BI_CUDA_PREVIEW until a GPU gate lists it)
+    # with the kimi-linear feature (a gated CUDA feature; VLLM_BI_CUDA_PREVIEW=kimi-linear where it is not)
     kimi = {p.target.split(":")[1] for p in LEDGER if p.when == "Kimi Linear on the device"}
     assert kimi == {"KimiGatedDeltaNetAttention.forward", "MultiHeadLatentAttention.forward",
                     "MLACommonMetadataBuilder.build", "enable_kimi_k3_low_latency_gemm"}
+    from vllm_bi import settings
+
+    assert "kimi-linear" in settings.CUDA_FEATURES
+    assert {t.split(":")[1] for t in cuda_base if t.split(":")[1] in kimi} == kimi
+    monkeypatch.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != "kimi-linear"))
+    cuda_no_kimi = {p.target for p in active_rows("cuda", Settings())}
     cuda_kimi = {p.target for p in active_rows("cuda", Settings(cuda_preview="kimi-linear"))}
-    assert {t.split(":")[1] for t in cuda_kimi - cuda_base} == kimi and not cuda_base - cuda_kimi
+    assert cuda_kimi == cuda_base
+    assert {t.split(":")[1] for t in cuda_kimi - cuda_no_kimi} == kimi and not cuda_no_kimi - cuda_kimi
     assert {t.split(":")[1] for t in base if t.split(":")[1] in kimi} == kimi - {"enable_kimi_k3_low_latency_gemm"}
     # speculative decoding's verification row: on CUDA with its feature (a CUDA feature by default)
     spec_rows = {p.target for p in LEDGER if p.when == "speculative decoding on CUDA"}

@@ -79,9 +79,10 @@ DIGEST_AUTO_CUDA = "triton"
 CANONICAL_ROWS_CUDA = True
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
-# (speculative decoding: tests/gpu/test_speculative_cuda.py). VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
+# (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
+# gate's Kimi job). VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
 FEATURES = ("speculative", "kimi-linear")
-CUDA_FEATURES: tuple[str, ...] = ("speculative",)
+CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear")
 PREVIEW_FEATURES = tuple(f for f in FEATURES if f not in CUDA_FEATURES)
 
 SETTINGS = (
@@ -123,10 +124,10 @@ SETTINGS = (
           "every GDN layer checks its values and logs the first non-finite one (host reads: debugging only)"),
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
-    _Spec("cuda_preview", "none", ("none", *PREVIEW_FEATURES, "all"),
-          "run a CUDA path no GPU gate has shown exact yet, for measuring: Kimi Linear (KDA in the recurrent mode, "
-          "MLA over TRITON_MLA); speculative decoding is served on CUDA by default; none refuses the previews by "
-          "name"),
+    _Spec("cuda_preview", "none", ("none", *FEATURES, "all"),
+          "run a CUDA feature that no GPU gate has shown exact yet, for measuring (one of PREVIEW_FEATURES); CUDA "
+          "already serves the gated ones (CUDA_FEATURES: speculative decoding, Kimi Linear), so naming one of those "
+          "changes nothing; none refuses the previews by name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )
@@ -144,8 +145,7 @@ _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "g
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
           "logprobs": "log-softmax op"}
 # retired spellings of a value: one line naming the replacement
-# a feature CUDA serves by default needs no preview: naming it is naming none
-_ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}, "cuda_preview": {f: "none" for f in CUDA_FEATURES}}
+_ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead
 _RETIRED = {"gdn_mode": {"hybrid": "is no longer a mode (retired: it served at the recurrent mode's speed and was "
                                    "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"}}

@@ -224,7 +224,8 @@ def _kimi_linear(args, platform) -> bool:
     forward wraps (:data:`KIMI_MLA_BACKEND`): CPU_MLA on CPU (vLLM would pick AMX_MLA on a CPU with AMX tiles),
     TRITON_MLA on CUDA; another one is refused. On CUDA, when the ``kimi-linear`` feature is on (gated or
     ``VLLM_BI_CUDA_PREVIEW``), the KDA layers run in the recurrent GDN mode only and every step eagerly (its glue
-    plans each step on the host), so the chunk mode and ``VLLM_BI_CUDA_GRAPHS=decode`` are refused by name; with the
+    plans each step on the host), with the torch attention op, so the chunk mode, ``VLLM_BI_CUDA_GRAPHS=decode`` and
+    ``VLLM_BI_ATTENTION=triton`` are refused by name; with the
     feature off nothing is set here and :func:`vllm_bi.patch.model_families.refusal` refuses the model. Returns
     whether it chose the attention backend (the CUDA default, TRITON_ATTN, is then not set)."""
     if model_families.local_architecture(args.model) != "KimiLinearForCausalLM":
@@ -254,6 +255,10 @@ def _kimi_linear(args, platform) -> bool:
             raise BatchInvarianceConfigError(
                 f"vllm_bi: VLLM_BI_CUDA_GRAPHS=decode{origin} captures decode steps, which Kimi Linear's glue plans on "
                 "the host; set VLLM_BI_CUDA_GRAPHS=off for Kimi Linear on CUDA")
+        if settings.attention_op("cuda") != "torch":
+            raise BatchInvarianceConfigError(
+                "vllm_bi: Kimi Linear on CUDA attends with the torch attention op (the Triton kernel takes "
+                "power-of-two head dims; MLA's are 128 + 64); set VLLM_BI_ATTENTION=torch for the server and the trainer")
     else:
         return False
     backend = KIMI_MLA_BACKEND[device]
