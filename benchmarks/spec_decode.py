@@ -12,9 +12,9 @@ verify step emits. The table gives each speculative side's speed-up over the sam
 vllm_bi / stock.
 
 The checkpoint needs an MTP layer (``vllm-bi make-checkpoint`` writes one). A random MTP layer rarely agrees with its
-target; ``vllm-bi make-checkpoint ... --lm-head-rows N`` writes an LM head with N nonzero rows, so that greedy decoding
-picks among N tokens and target and drafter agree far more often: run the table at a few N for speed-up against
-acceptance. ``--parity`` adds ``vllm-bi parity`` (16 prompts x 4 samples x 128 tokens) against a speculative vllm_bi
+target; ``vllm-bi make-checkpoint ... --lm-head-rows N`` writes an LM head with N nonzero rows in opposite pairs, so
+that decoding (greedy or at T = 1) picks among N tokens and target and drafter agree about 1 / N of the time: run the
+table at a few N for speed-up against acceptance. ``--parity`` adds ``vllm-bi parity`` (16 prompts x 4 samples x 128 tokens) against a speculative vllm_bi
 server. Ratios hold only within one run (the machine is shared); split the sides over calls with ``--sides`` and
 ``--json-in`` to add rows to an earlier run's JSON.
 """

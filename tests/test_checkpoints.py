@@ -109,8 +109,9 @@ def test_the_trainer_model_loads_it_and_samples_neither_flat_nor_one_hot(narrow)
 
 
 def test_lm_head_rows_keeps_that_many_rows_of_the_head(tmp_path):
-    """``lm_head_rows=N``: rows 10 .. 10 + N - 1 of the LM head drawn (logit std 10), every other row zero, recorded in
-    the checkpoint's stamp; the MTP layer is written as before. Control: the default head has no zero row."""
+    """``lm_head_rows=N``: rows 10 .. 10 + N - 1 of the LM head drawn in opposite pairs (logit std 100), every other
+    row zero, recorded in the checkpoint's stamp; the MTP layer is written as before. Control: the default head has
+    no zero row."""
     from safetensors.torch import load_file
 
     small = dict(NARROW, vocab_size=4096)
@@ -120,7 +121,8 @@ def test_lm_head_rows_keeps_that_many_rows_of_the_head(tmp_path):
     head = sd["lm_head.weight"].float()
     nonzero = (head != 0).any(dim=1).nonzero().flatten().tolist()
     assert nonzero == [10, 11, 12] and "mtp.fc.weight" in sd
-    assert 0.3 < float(head[10:13].std()) * math.sqrt(256) / 10 < 3  # logits of std about 10 for a unit-RMS state
+    assert 0.3 < float(head[10:13].std()) * math.sqrt(256) / 100 < 3  # logits of std about 100 for a unit-RMS state
+    assert torch.equal(head[11], -head[10]) and not torch.equal(head[12], -head[11])  # v, -v, u
     assert json.load(open(os.path.join(path, "vllm_bi_checkpoint.json")))["lm_head_rows"] == 3
     full = C.write_checkpoint("qwen3.5-9b", str(tmp_path / "full"), seed=1, overrides=small, progress=False)
     assert (load_file(os.path.join(full, "model-00001-of-00001.safetensors"))["lm_head.weight"] != 0).any(dim=1).all()

@@ -18,10 +18,13 @@ neither flat nor one-hot: its logits are ``N(0, sigma^2)`` per token (the final 
 with ``sigma`` solved for a mean entropy of ``entropy`` nats (default 3; flat over 248,320 tokens would be 12.4).
 ``mean_entropy`` measures what a written model gives.
 
-``lm_head_rows=N`` instead keeps N rows of the LM head (token ids ``10 .. 10 + N - 1``) with logits of standard
-deviation 10 and zeroes the others, so that decoding picks among N tokens: the checkpoint's random MTP drafter (it
-shares the LM head) then agrees with its target far more often than over the whole vocabulary, which is what a
-speculative-decoding benchmark needs to see acceptance at all (``benchmarks/spec_decode.py``).
+``lm_head_rows=N`` instead keeps N rows of the LM head (token ids ``10 .. 10 + N - 1``) and zeroes the others. The
+rows come in opposite pairs (``v, -v, u, -u, ...``), so one row of each pair has a logit >= 0 and the largest kept
+logit beats the zero rows; their logits have a standard deviation of 100, so even at temperature 1 the N tokens hold
+almost all of the mass (a logit of 20 outweighs the 248K zero rows 2,000 to 1). Decoding then picks among N tokens,
+and the checkpoint's random MTP drafter (it shares the LM head) agrees with its target about 1 / N of the time for
+an even N (N = 2: half the drafts): the acceptance knob of a speculative-decoding benchmark
+(``benchmarks/spec_decode.py``).
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def _seed_for(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-HEAD_ROWS_FIRST, HEAD_ROWS_LOGIT_STD = 10, 10.0
+HEAD_ROWS_FIRST, HEAD_ROWS_LOGIT_STD = 10, 100.0
 
 
 def _draw(name: str, shape, seed: int, device, constants: dict[str, float], lm_std: float, lm_rows: int = 0):
@@ -165,7 +168,8 @@ def _draw(name: str, shape, seed: int, device, constants: dict[str, float], lm_s
         t = constants[kind] + 0.1 * torch.randn(shape, generator=g, device=device)
     elif name == "lm_head.weight" and lm_rows:
         t = torch.zeros(shape, device=device)
-        rows = torch.randn((lm_rows, shape[1]), generator=g, device=device)
+        pairs = torch.randn(((lm_rows + 1) // 2, shape[1]), generator=g, device=device)
+        rows = torch.stack([pairs, -pairs], dim=1).flatten(0, 1)[:lm_rows]  # v, -v, u, -u, ...
         t[HEAD_ROWS_FIRST : HEAD_ROWS_FIRST + lm_rows] = rows * (HEAD_ROWS_LOGIT_STD / math.sqrt(shape[1]))
     elif name == "lm_head.weight":
         t = torch.randn(shape, generator=g, device=device) * lm_std

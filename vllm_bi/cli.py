@@ -391,9 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--entropy", type=_float(0.0, lo_open=True), default=3.0,
                     help="target mean next-token entropy in nats, > 0 and < log(vocabulary) (default 3)")
     mc.add_argument("--lm-head-rows", type=_int(0), default=0,
-                    help="keep only N rows of the LM head (token ids 10..10+N-1), the others zero: decoding picks "
-                    "among N tokens and the random MTP drafter agrees with its target far more often (a knob for "
-                    "speculative decoding's acceptance); 0, the default: every row, scaled for --entropy")
+                    help="keep only N rows of the LM head (token ids 10..10+N-1, in opposite pairs), the others zero: "
+                    "decoding picks among N tokens and the random MTP drafter agrees with its target about 1/N of "
+                    "the time (a knob for speculative decoding's acceptance); 0, the default: every row, scaled for "
+                    "--entropy")
     mc.add_argument("--overwrite", action="store_true", help="replace what the output directory holds")
     mc.set_defaults(fn=_cmd_make_checkpoint)
 
