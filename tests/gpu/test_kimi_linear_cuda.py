@@ -1,4 +1,4 @@
-"""Kimi Linear served on CUDA under ``VLLM_BATCH_INVARIANT=1`` with ``VLLM_BI_CUDA_PREVIEW=kimi-linear`` (KDA in the
+"""Kimi Linear served on CUDA under ``VLLM_BATCH_INVARIANT=1`` (the ``kimi-linear`` CUDA feature: KDA in the
 recurrent GDN mode, MLA over TRITON_MLA, the grouped router as the trainer's ``sigmoid_topk``, eager steps), on a
 tiny random Kimi Linear (``tiny_models.build_tiny_kimi_linear``) with a real `vllm serve`:
 
@@ -34,8 +34,8 @@ ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-l
         "--gpu-memory-utilization", "0.15"]
 # the MLA head dim (128 + 64, Kimi Linear 48B's) is no power of two, which the Triton attention kernel needs: the torch
 # attention op, in the server and in this process's trainer alike
-PREVIEW = {"VLLM_BI_CUDA_PREVIEW": "kimi-linear", "VLLM_BI_ATTENTION": "torch", "VLLM_SERVER_DEV_MODE": "1",
-           "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+KIMI_ENV = {"VLLM_BI_ATTENTION": "torch", "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 VOCAB = 512
 
 
@@ -45,13 +45,12 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def preview():
-    """This process (the trainer's side of the parity check) in the preview too: its settings must equal the
-    server's."""
+def kimi_env():
+    """This process (the trainer's side of the parity check) with the server's settings."""
     from vllm_bi import settings
 
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in PREVIEW.items():
+        for k, v in KIMI_ENV.items():
             mp.setenv(k, v)
         settings.reload()
         yield
@@ -59,9 +58,9 @@ def preview():
 
 
 @pytest.fixture(scope="module")
-def bi_server(model, preview, tmp_path_factory):
+def bi_server(model, kimi_env, tmp_path_factory):
     log = str(tmp_path_factory.mktemp("logs") / "kimi-bi.log")
-    with VllmServer(model, batch_invariant=True, env=cpu_env(True, PREVIEW), args=ARGS, startup_timeout=900,
+    with VllmServer(model, batch_invariant=True, env=cpu_env(True, KIMI_ENV), args=ARGS, startup_timeout=900,
                     log_path=log) as srv:
         info = srv.collective_rpc("vllm_bi_info")[0]
         assert info["gdn_mode"] == "recurrent", info
@@ -98,10 +97,10 @@ def test_trainer_equals_server(model, bi_server):
     assert rep.tokens >= 64 and rep.ok, rep.table()
 
 
-def test_stock_server_differs_from_the_trainer(model, preview, tmp_path_factory):
+def test_stock_server_differs_from_the_trainer(model, kimi_env, tmp_path_factory):
     """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router)."""
     log = str(tmp_path_factory.mktemp("logs") / "kimi-stock.log")
-    env = cpu_env(False, {k: v for k, v in PREVIEW.items() if not k.startswith("VLLM_BI_")})
+    env = cpu_env(False, {k: v for k, v in KIMI_ENV.items() if not k.startswith("VLLM_BI_")})
     try:
         with VllmServer(model, batch_invariant=False, env=env, args=ARGS + ["--enforce-eager"], startup_timeout=900,
                         log_path=log) as srv:
