@@ -4,7 +4,8 @@
 
 Sides (``--sides``, comma-separated; one server each, the same ``vllm serve`` arguments): ``stock`` and ``vllm_bi``
 (``VLLM_BATCH_INVARIANT=1``, the defaults), each without drafts, and ``stock+mtp`` / ``vllm_bi+mtp`` with
-``--speculative-config {"method": "mtp", "num_speculative_tokens": K}``. On each server, for each client count, over
+``--speculative-config {"method": "mtp", "num_speculative_tokens": K}``; a vllm_bi side may name settings of its
+own (``vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused``), compared like its name. On each server, for each client count, over
 a fixed window of wall time: clients sending 256-token prompts for 128 tokens back to back, greedy, then seeded at
 temperature 1 -> generated tokens/s of wall time and the mean time per output token (the server's histogram); and
 the drafter's acceptance over the whole side (accepted / drafted tokens, the server's counters) and the mean tokens a
@@ -14,9 +15,9 @@ vllm_bi / stock.
 The checkpoint needs an MTP layer (``vllm-bi make-checkpoint`` writes one). A random MTP layer rarely agrees with its
 target; ``vllm-bi make-checkpoint ... --lm-head-rows N`` writes an LM head with N nonzero rows in opposite pairs, so
 that decoding (greedy or at T = 1) picks among N tokens and target and drafter agree about 1 / N of the time: run the
-table at a few N for speed-up against acceptance. ``--parity`` adds ``vllm-bi parity`` (16 prompts x 4 samples x 128 tokens) against a speculative vllm_bi
-server. Ratios hold only within one run (the machine is shared); split the sides over calls with ``--sides`` and
-``--json-in`` to add rows to an earlier run's JSON.
+table at a few N for speed-up against acceptance. ``--parity`` adds ``vllm-bi parity`` (16 prompts x 4 samples x 128
+tokens) against a speculative vllm_bi server. Ratios hold only within one run (the machine is shared); split the
+sides over calls with ``--sides`` and ``--json-in`` to add rows to an earlier run's JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ import shlex
 import sys
 import time
 
-from full_scale import DEVIATIONS, PeakMemory, _file_label, _prompts, cell, closed_loop, parity_part, side_env
+from full_scale import (DEVIATIONS, PeakMemory, _file_label, _prompts, cell, closed_loop, parity_part, parse_side,
+                        side_env)
 
 SIDES = ("stock", "stock+mtp", "vllm_bi", "vllm_bi+mtp")
 SERVER_ARGS = "--gpu-memory-utilization 0.85 --max-model-len 4096 --max-num-seqs 256"
@@ -40,12 +42,30 @@ def spec_args(k: int) -> list[str]:
     return ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": k})]
 
 
+def split_side(side: str) -> tuple[str, str]:
+    """``(name, server side)`` of a side: its name among :data:`SIDES` and the ``full_scale`` side its server runs
+    (``vllm_bi+mtp:VLLM_BI_X=V`` -> ``("vllm_bi+mtp", "vllm_bi:VLLM_BI_X=V")``)."""
+    name, colon, sets = side.partition(":")
+    return name, name.partition("+")[0] + colon + sets
+
+
+def plain_of(side: str) -> str:
+    """The side without drafts a side is compared with: its name without ``+mtp`` (and without settings)."""
+    return split_side(side)[0].partition("+")[0]
+
+
 def parse_sides(text: str) -> list[str]:
-    """The sides of ``--sides``; raises ``ValueError`` naming a bad one."""
+    """The sides of ``--sides``: names among :data:`SIDES`, a vllm_bi one optionally with ``:VLLM_BI_X=VALUE``
+    settings (``vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused``); raises ``ValueError`` naming a bad one."""
     sides = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in sides if s not in SIDES]
+    bad = [s for s in sides if split_side(s)[0] not in SIDES]
     if bad or not sides:
-        raise ValueError(f"--sides {text!r}: choose among {', '.join(SIDES)}")
+        raise ValueError(f"--sides {text!r}: choose among {', '.join(SIDES)} (vllm_bi ones may add "
+                         ":VLLM_BI_X=VALUE)")
+    for s in sides:
+        parse_side(split_side(s)[1])  # a bad setting, or settings on a stock side, named
+    if len(set(sides)) != len(sides):
+        raise ValueError(f"--sides {text!r}: a side is listed twice")
     return sides
 
 
@@ -69,14 +89,15 @@ def serve_side(side: str, model: str, server_args: str, k: int, clients: list[in
                log_dir: str) -> dict:
     from vllm_bi.launcher import VllmServer
 
-    base, _, mtp = side.partition("+")
+    name, server = split_side(side)
+    mtp = name.endswith("+mtp")
     args = shlex.split(server_args) + shlex.split(DEVIATIONS) + (spec_args(k) if mtp else [])
     log_path = os.path.join(log_dir, f"server-{_file_label(side)}.log")
     r: dict = {"side": side, "k": k if mtp else 0}
     t0 = time.time()
     with PeakMemory() as mem:
-        with VllmServer(model, batch_invariant=base == "vllm_bi", args=args, env=side_env(base), startup_timeout=480,
-                        log_path=log_path) as srv:
+        with VllmServer(model, batch_invariant=name.startswith("vllm_bi"), args=args, env=side_env(server),
+                        startup_timeout=480, log_path=log_path) as srv:
             r["startup_s"] = time.time() - t0
             print(f"[spec] {side}: up in {r['startup_s']:.0f} s", flush=True)
             warm = _prompts(max(clients), PROMPT_LEN, vocab, random.Random(1))
@@ -95,11 +116,12 @@ def table(rows: list[dict], clients: list[int]) -> list[str]:
     """One line per (sampling, clients): each side's tokens/s and TPOT, each speculative side's speed-up over the
     same side without drafts and its acceptance, and vllm_bi / stock; then each side's acceptance over the run."""
     by = {r["side"]: r for r in rows if "error" not in r}
-    sides = [s for s in SIDES if s in by]
+    sides = sorted(by, key=lambda s: (SIDES.index(split_side(s)[0]), s))
     head = ["sampling", "clients"] + [f"{s} tok/s (TPOT ms)" for s in sides]
-    extra = [s for s in ("stock+mtp", "vllm_bi+mtp") if s in by and s.split("+")[0] in by]
+    extra = [s for s in sides if split_side(s)[0].endswith("+mtp") and plain_of(s) in by]
     head += [f"{s} speed-up" for s in extra]
-    bi_vs = [(a, b) for a, b in (("vllm_bi", "stock"), ("vllm_bi+mtp", "stock+mtp")) if a in by and b in by]
+    bi_vs = [(a, b) for a in sides if a.startswith("vllm_bi")
+             for b in ("stock+mtp" if split_side(a)[0].endswith("+mtp") else "stock",) if b in by]
     head += [f"{a} / {b} time" for a, b in bi_vs]
     out = ["| " + " | ".join(head) + " |", "| --- | ---: |" + " ---: |" * (len(head) - 2)]
     for name in ("greedy", "t1"):
@@ -112,7 +134,7 @@ def table(rows: list[dict], clients: list[int]) -> list[str]:
                 acc = (f", {m['accepted'] / m['drafted']:.0%} kept" if m.get("drafted") else "")
                 cells.append(f"{cell(m.get('tok_s'))} ({cell(m.get('tpot_ms'))}{acc})")
             for s in extra:
-                a, b = get(s).get("tok_s"), get(s.split("+")[0]).get("tok_s")
+                a, b = get(s).get("tok_s"), get(plain_of(s)).get("tok_s")
                 cells.append(f"{a / b:.2f}x" if a and b else "")
             for a, b in bi_vs:
                 x, y = get(a).get("tok_s"), get(b).get("tok_s")

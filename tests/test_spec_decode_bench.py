@@ -18,6 +18,13 @@ def test_sides():
     assert SD.parse_sides("stock, vllm_bi+mtp") == ["stock", "vllm_bi+mtp"]
     with pytest.raises(ValueError, match="choose among stock, stock\\+mtp, vllm_bi, vllm_bi\\+mtp"):
         SD.parse_sides("vllm_bi+eagle")
+    fused = "vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused"
+    assert SD.parse_sides(f"vllm_bi+mtp,{fused}") == ["vllm_bi+mtp", fused]
+    assert SD.split_side(fused) == ("vllm_bi+mtp", "vllm_bi:VLLM_BI_SPEC_VERIFY=fused")
+    assert SD.plain_of(fused) == "vllm_bi"
+    for bad in ("stock+mtp:VLLM_BI_GDN_MODE=chunk", "vllm_bi:GDN_MODE=chunk", "vllm_bi,vllm_bi"):
+        with pytest.raises(ValueError):
+            SD.parse_sides(bad)
     assert SD.spec_args(2) == ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}']
 
 
@@ -40,6 +47,17 @@ def test_table_speed_ups_and_acceptance():
     assert cells[6:] == ["2.00x", "1.50x", "1.25x", "1.67x"]
     assert "stock+mtp: 150 of 600 drafts kept (25.0%), 1.75 tokens per verify step" in text
     assert "vllm_bi: failed: never started" in text
+    # a side with settings: compared with the side without drafts and with stock+mtp, like its name
+    rows.append({"side": "vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused", "greedy1": _phase(160.0, 6.2, 300, 150, 100),
+                 "t11": _phase(72.0, 13.9)})
+    text = "\n".join(SD.table(rows, [1]))
+    head = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    greedy = next(line for line in text.splitlines() if line.startswith("| greedy | 1 |"))
+    cells = dict(zip(head, (c.strip() for c in greedy.strip("|").split("|"))))
+    assert cells["vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused tok/s (TPOT ms)"] == "160 (6.20, 50% kept)"
+    assert cells["vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused speed-up"] == "2.00x"
+    assert cells["vllm_bi+mtp:VLLM_BI_SPEC_VERIFY=fused / stock+mtp time"] == "1.25x"
+    assert cells["vllm_bi+mtp speed-up"] == "1.50x"  # the side without settings unchanged
 
 
 def test_a_phase_counts_the_tokens_and_the_drafts_of_its_window():
