@@ -117,6 +117,10 @@ SETTINGS = (
           "the weight digest's value sums: torch's elementwise kernels, or one fused Triton kernel (CUDA; bf16, fp16 "
           "and fp32 tensors); the same digests either way, so server and trainer may differ; auto: "
           f"{DIGEST_AUTO_CUDA} on CUDA, torch on CPU"),
+    _Spec("spec_verify", "steps", ("steps", "fused"),
+          "how a GDN layer scores a speculative step's k + 1 rows on CUDA: steps (one one-token step per position) or "
+          "fused (one in-place pass per request, the state after each row stored in its slot; the same bits, not yet "
+          "GPU-verified)"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
           "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
@@ -187,6 +191,7 @@ class Settings:
     chunk_decode: str = "auto"
     logprobs: str = "auto"
     digest: str = "auto"
+    spec_verify: str = "steps"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False

@@ -227,6 +227,7 @@ def gdn_varlen(
     lens: torch.Tensor | None = None,
     gating: str = "gdn",
     lower_bound: float | None = None,
+    spec_slots: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
@@ -249,7 +250,9 @@ def gdn_varlen(
     ``[S, HV, K, V]`` fp32 and sequence ``j`` starts from slot ``slots[j]``; the returned states are None.
     Recurrent mode: ``fresh`` is an int32 device flag per sequence (nonzero: from zeros), and the final state is
     written back into the slot in place (:func:`vllm_bi.gdn.slots.recurrent_in_slots`, fla-core's
-    fused recurrent arithmetic). Chunk mode: ``fresh`` holds the host indices of the new sequences, and the
+    fused recurrent arithmetic); with ``spec_slots [N, P]`` (a speculative step's slot table) the state after the
+    ``p``-th row of sequence ``j`` goes into slot ``spec_slots[j, p]`` instead (the bits of one row per call).
+    Chunk mode: ``fresh`` holds the host indices of the new sequences, and the
     state at each sequence's last boundary is written back where that boundary moved
     (:func:`vllm_bi.gdn.chunk_decode.chunk_in_slots`). Chunk mode with ``lens`` (device, one per sequence): every
     range is one block padded to ``CHUNK`` rows, of which the first ``lens[j]`` are the sequence's
@@ -292,10 +295,12 @@ def gdn_varlen(
         k = x[:, key_dim : 2 * key_dim].reshape(T, num_k_heads, head_k_dim).contiguous()
         v = x[:, 2 * key_dim :].reshape(T, -1, head_v_dim).contiguous()
     g, beta = gates(gating, A_log, a, b, dt_bias, lower_bound)
+    if spec_slots is not None and (slots is None or mode != "recurrent"):
+        raise ValueError("gdn_varlen: spec_slots need slots and the recurrent mode")
     if slots is not None:
         if mode == "recurrent":
             o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5,
-                                   fresh)
+                                   fresh, spec_slots=spec_slots)
         elif mode == "chunk" and lens is not None:
             o = padded_blocks_in_slots(q, k, v, g.contiguous(), beta.contiguous(), states, slots, lens,
                                        head_k_dim**-0.5)

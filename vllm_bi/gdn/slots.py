@@ -16,7 +16,12 @@ tile (``[K, 8]`` of the ``[K, V]`` state per program, one warp, three stages), w
   fla-core's ``gk``); ``v' = beta * (v - sum_k(S * k))``; ``S += k v'^T``; ``o = sum_k(S * q)``;
 * the state starts as ``0 + S0`` (fla-core adds its loaded initial state to zeros), or 0 for a new request.
 
-Only the addresses differ. ``tests/gpu/test_gdn_cuda.py`` checks ``torch.equal`` against fla-core's kernel on
+Only the addresses differ. A speculative step's rows (``spec_slots``) run through :func:`_spec_in_slots`, one
+sequence per request with the state after each row stored into that row's slot: the bits of one call per row. It is
+a kernel of its own, its per-token arithmetic the same line for line, so that the decode kernel stays the one the
+GPU gate runs until a GPU run shows the speculative one exact (``VLLM_BI_SPEC_VERIFY``).
+
+``tests/gpu/test_gdn_cuda.py`` checks ``torch.equal`` against fla-core's kernel on
 the GPU; ``tests/ops/test_gdn_slots.py`` checks the logic through Triton's interpreter on CPU.
 """
 
@@ -85,6 +90,48 @@ if triton is not None:
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
         tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
 
+    @triton.jit
+    def _spec_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, table, table_stride, cu, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BVC: tl.constexpr, GK: tl.constexpr):
+        # _step_in_slots's program and per-token arithmetic; after token t the state goes into slot
+        # table[seq, t - first], then on through 0 + S, as a call that loaded it from there would
+        pid = tl.program_id(0).to(tl.int64)
+        n_vb = tl.cdiv(V, BVC)
+        vb, seq_head = pid % n_vb, pid // n_vb
+        seq, hv = seq_head // HV, seq_head % HV
+        hk = hv // (HV // H)
+        first = tl.load(cu + seq).to(tl.int64)
+        stop = tl.load(cu + seq + 1).to(tl.int64)
+        slot = tl.load(slots + seq).to(tl.int64)
+        ks = tl.arange(0, BK)
+        vs = vb * BVC + tl.arange(0, BVC)
+        k_ok, v_ok = ks < K, vs < V
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        in_slot = hv * (K * V) + ks[:, None] * V + vs[None, :]
+        S0 = tl.load(pool + slot * slot_stride + in_slot, mask=tile_ok, other=0).to(tl.float32)
+        S = tl.zeros([BK, BVC], dtype=tl.float32)
+        S += S0
+        for t in tl.range(first, stop):
+            qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            vt = tl.load(v + (t * HV + hv) * V + vs, mask=v_ok, other=0).to(tl.float32)
+            qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            qt = qt * scale
+            bt = tl.load(beta + t * HV + hv).to(tl.float32)
+            if GK:
+                S *= fla_exp(tl.load(g + (t * HV + hv) * K + ks, mask=k_ok, other=0).to(tl.float32))[:, None]
+            else:
+                S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
+            vt = bt * (vt - tl.sum(S * kt[:, None], 0))
+            S += kt[:, None] * vt
+            ot = tl.sum(S * qt[:, None], 0)
+            tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
+            dst = tl.load(table + seq * table_stride + (t - first)).to(tl.int64)
+            tl.store(pool + dst * slot_stride + in_slot, S.to(pool.dtype.element_ty), mask=tile_ok)
+            S = tl.zeros([BK, BVC], dtype=tl.float32) + S
+
 
 def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
     """What a kernel over vLLM's state slots needs: Triton, CUDA inputs (CPU only under ``TRITON_INTERPRET=1``,
@@ -102,7 +149,7 @@ def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: i
 
 def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
-                       fresh: torch.Tensor | None = None) -> torch.Tensor:
+                       fresh: torch.Tensor | None = None, spec_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Run packed sequences through the recurrence, each from and into its state slot.
 
     ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a decay per key
@@ -111,7 +158,15 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     (vLLM may pad the stride between slots), updated in place;
     ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
     the null block); ``cu [N + 1]`` offsets (device); ``fresh [N]`` nonzero where a sequence starts from zeros.
-    Returns ``o [T, HV, V]`` in ``v.dtype``."""
+    Returns ``o [T, HV, V]`` in ``v.dtype``.
+
+    ``spec_slots [N, P]`` (device; a speculative step's slot table; no ``fresh``): sequence ``j`` then starts from
+    slot ``slots[j]`` and, after its token at position ``p`` (``p < P`` tokens from its first), its state goes into
+    slot ``spec_slots[j, p]`` (``slots[j]`` is written only where it is one of those). Every output and every stored
+    state has the bits of running the tokens one at a time, each call from the slot the previous one wrote: the
+    state stays in registers, then goes through ``0 + S`` as a call's load would (the same value, ``-0.0`` made
+    ``+0.0``). A destination may be the source slot: each program reads its tile of the source once, before its
+    first token, and no two programs touch the same tile. The slots written must differ between sequences."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     check_slot_pool("recurrent_in_slots", q, pool, HV, K, V)
@@ -121,6 +176,15 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     if N == 0 or T == 0:
         return o
     grid = (triton.cdiv(V, BV) * N * HV,)
+    if spec_slots is not None:
+        if spec_slots.dim() != 2 or spec_slots.shape[0] != N or fresh is not None:
+            raise ValueError(f"recurrent_in_slots: spec_slots {tuple(spec_slots.shape)} must be [N, P] with N = {N}, "
+                             "without fresh")
+        table = spec_slots.contiguous()
+        _spec_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, table, table.stride(0), cu, scale,
+                             H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=BV, GK=g.dim() == 3,
+                             num_warps=1, num_stages=3)
+        return o
     _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
                          H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=BV, HAS_FRESH=fresh is not None,
                          GK=g.dim() == 3, num_warps=1, num_stages=3)

@@ -18,7 +18,7 @@ import torch
 
 from vllm_bi.gdn.chunk import CHUNK, gdn_mode
 from vllm_bi.gdn.layer import RingRows, gdn_varlen
-from vllm_bi.ops.device import host_to, rows_of, step_cached
+from vllm_bi.ops.device import host_to, index_on, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
            "chunk_kda_state_shape", "spec_step", "verify_rows", "is_kda", "bi_kda_forward"]
@@ -669,9 +669,9 @@ def chunk_kda_state_shape(orig):
 #   ``m - 1 .. m + W - 3``. A step without speculative requests (prefills) leaves each request's last ``W - 1`` raw
 #   rows at rows ``0 .. W - 2``: the window of ``m = 1``. This is the convention of vLLM's own conv-update kernel;
 #   here only vllm_bi reads and writes the values (vLLM copies whole slots).
-# 
-# CPU only for now: a CUDA server refuses speculative decoding under batch invariance until a GPU run shows it
-# exact (``patch.engine_config``).
+# - **One pass** (``VLLM_BI_SPEC_VERIFY=fused``, CUDA): :func:`_verify_fused` runs each request's rows as one
+#   sequence through the in-place kernel, which stores the state after each row into that row's slot: the same
+#   bits, no host read but the step's row offsets (once per step); not yet GPU-verified, so off by default.
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
@@ -703,7 +703,11 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
             out[rows] = sub
     if spec:
         n = md.num_spec_decodes
-        qsl = md.spec_query_start_loc[: n + 1].tolist()
+        if _fused_verify(mixed_qkv.device, kv_layout):  # read once per step, shared by the GDN layers
+            qsl = step_cached(md, "_vllm_bi_spec_qsl", mixed_qkv.device,
+                              lambda: md.spec_query_start_loc[: n + 1].tolist())
+        else:
+            qsl = md.spec_query_start_loc[: n + 1].tolist()
         rows = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
         x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
         o = verify_rows(layer, x, bb, aa, qsl, md.spec_state_indices_tensor[:n].long(),
@@ -719,7 +723,10 @@ def verify_rows(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: l
                 dim_first: bool, kv_layout: bool) -> torch.Tensor:
     """The GDN core's output ``[qsl[-1], HV, V]`` for speculative requests whose rows are packed by ``qsl``
     (request ``i``: rows ``qsl[i] .. qsl[i+1] - 1``), from their slots ``slots [N, k + 1]`` and accepted counts
-    ``accepted [N]`` (the module doc says what is read and written)."""
+    ``accepted [N]`` (the module doc says what is read and written). With ``VLLM_BI_SPEC_VERIFY=fused`` on the
+    in-place path (CUDA), :func:`_verify_fused` computes the same bits in one pass per request."""
+    if _fused_verify(x.device, kv_layout) and torch.promote_types(x.dtype, conv_cache.dtype) == conv_cache.dtype:
+        return _verify_fused(layer, x, b, a, qsl, slots, accepted, conv_cache, ssm_cache, weight, dim_first)
     dev = x.device
     N = len(qsl) - 1
     lens = [qsl[i + 1] - qsl[i] for i in range(N)]
@@ -749,4 +756,49 @@ def verify_rows(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: l
     for i in range(N):  # P[1:], then the step's raw rows, from row 0
         rows = torch.cat([before[i, 1:], x[qsl[i] : qsl[i + 1]].to(hist.dtype)])
         hist[conv_slot[i], : rows.shape[0]] = rows
+    return out
+
+
+def _fused_verify(dev: torch.device, kv_layout: bool) -> bool:
+    """Whether a speculative step's rows run as one in-place pass per request (:func:`_verify_fused`): with
+    ``VLLM_BI_SPEC_VERIFY=fused`` where the recurrent step updates its slots in place (CUDA)."""
+    from vllm_bi.settings import current
+
+    return kv_layout and _in_place(dev) and current().spec_verify == "fused"
+
+
+def _verify_fused(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: list[int], slots: torch.Tensor,
+                  accepted: torch.Tensor, conv_cache: torch.Tensor, ssm_cache: torch.Tensor, weight: torch.Tensor,
+                  dim_first: bool) -> torch.Tensor:
+    """:func:`verify_rows` with each request's rows as one sequence: its conv from the window ``P`` over its rows,
+    the gates, then the in-place recurrence from slot ``slots[i, accepted_i - 1]`` (clamped at 0) with the state
+    after row ``j`` stored into ``slots[i, j]`` (:func:`vllm_bi.gdn.slots.recurrent_in_slots`, ``spec_slots``); the
+    conv history written with one indexed write. Nothing read on the host but ``qsl``.
+
+    The same bits as the position-by-position path: the conv computes each row from its own ``W`` inputs in a fixed
+    order (the rows before it within the step are the raw rows, which the other path reads back from its window
+    after rounding them to the conv cache's dtype: no change where that dtype holds ``x``'s values, which the
+    caller checks); the gates are elementwise; the kernel gives every row and stored state the bits of one call per
+    row, the kernel a plain decode step runs (the other path runs fla-core's, whose bits it repeats)."""
+    dev = x.device
+    N, T = len(qsl) - 1, qsl[-1]
+    W = weight.shape[-1]
+    out = x.new_zeros((x.shape[0], layer.num_v_heads // layer.tp_size, layer.head_v_dim))
+    if N == 0:
+        return out
+    conv_slot = slots[:, 0]
+    hist = _rows_view(conv_cache, dim_first)  # [slots, R, D]
+    first = (accepted - 1).clamp(min=0)
+    req = torch.arange(N, device=dev)
+    before = hist[conv_slot[:, None], first[:, None] + torch.arange(W - 1, device=dev)[None, :]]  # P [N, W-1, D]
+    ranges = list(zip(qsl[:-1], qsl[1:]))
+    o, _, _ = gdn_varlen(x, ranges, weight, before, layer.A_log, a, b, layer.dt_bias, state_memory(ssm_cache, True),
+                         *_dims(layer), packed=True, slots=slots[req, first], spec_slots=slots)
+    out[:T] = o.to(out.dtype)
+    # the history: P[1:], then the step's raw rows, from row 0 (row p of request i at W - 2 + p)
+    cu = index_on(qsl, dev)
+    seq = torch.repeat_interleave(req, cu[1:] - cu[:-1], output_size=T)
+    row = torch.cat([torch.arange(W - 2, device=dev).repeat(N), W - 2 + torch.arange(T, device=dev) - cu[seq]])
+    at = torch.cat([conv_slot.repeat_interleave(W - 2), conv_slot[seq]])
+    hist[at, row] = torch.cat([before[:, 1:].reshape(N * (W - 2), -1), x[:T].to(hist.dtype)])
     return out
