@@ -98,12 +98,15 @@ def test_trainer_equals_server(model, bi_server):
 
 
 def test_stock_server_differs_from_the_trainer(model, kimi_env, tmp_path_factory):
-    """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router)."""
+    """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router). Its MLA
+    backend is TRITON_MLA, as the BI server's: the staged GPU install keeps only the compiled modules BI serving loads
+    (not FlashMLA's or CUTLASS's, which vLLM may pick on its own)."""
     log = str(tmp_path_factory.mktemp("logs") / "kimi-stock.log")
     env = cpu_env(False, {k: v for k, v in KIMI_ENV.items() if not k.startswith("VLLM_BI_")})
     try:
-        with VllmServer(model, batch_invariant=False, env=env, args=ARGS + ["--enforce-eager"], startup_timeout=900,
-                        log_path=log) as srv:
+        with VllmServer(model, batch_invariant=False, env=env, args=ARGS + ["--enforce-eager", "--attention-backend",
+                                                                          "TRITON_MLA"],
+                        startup_timeout=900, log_path=log) as srv:
             rep = run_parity(model, server_url=srv.url, api_key=srv.api_key, n=4, max_tokens=16,
                              trainer_device="cuda", stock_server=True, show_progress=False, log=print)
     except Exception as e:  # noqa: BLE001 - reported, not hidden
