@@ -44,6 +44,9 @@ def served(mtp_model):
             srv._post("/v1/completions", {"model": srv.model, "prompt": PROMPTS[0], "max_tokens": 4,
                                           "repetition_penalty": 1.3})
         out["refused"] = str(refused.value)
+        with pytest.raises(ServerError) as one_token:
+            srv._post("/v1/completions", {"model": srv.model, "prompt": [PROMPTS[0][0]], "max_tokens": 4})
+        out["refused_one_token"] = str(one_token.value)
         out["after"] = greedy(srv, PROMPTS[:1])[0]
     return out
 
@@ -78,6 +81,7 @@ def test_trainer_recompute_equals_speculative_server(served, mtp_model):
 
 def test_penalty_refused_server_keeps_serving(served):
     assert "repetition_penalty makes a token's sample depend on the draft tokens" in served["refused"]
+    assert "a one-token prompt is not batch-invariant there yet" in served["refused_one_token"]
     assert served["after"].token_ids == served["spec"][0].token_ids
 
 
