@@ -18,12 +18,12 @@ Nothing here changes a bit of the served arithmetic: it calls the glue as the se
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 import types
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from common import host_ms
 
 from vllm_bi.model_executor import gdn as glue
 
@@ -169,13 +169,8 @@ def measure(step, repeats: int) -> dict:
     step()  # warm the index caches
     with OpCount() as oc, HostReads() as hr:
         step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
     top = sorted(oc.names.items(), key=lambda kv: -kv[1])[:7]
-    return dict(ms=statistics.median(times), ops=oc.ops, reads=hr.reads, copies=hr.copies, top=top)
+    return dict(ms=host_ms(step, reps=repeats, warmup=0), ops=oc.ops, reads=hr.reads, copies=hr.copies, top=top)
 
 
 def main() -> None:
