@@ -30,6 +30,13 @@ class _SettingsMonkeyPatch(pytest.MonkeyPatch):
         super().undo()
         _reload_if("VLLM_BI_")
 
+    def cuda_feature_off(self, name: str) -> None:
+        """Take ``name`` out of ``vllm_bi.settings.CUDA_FEATURES`` until the test ends: the negative control of a
+        gated CUDA feature (CUDA then runs it only where ``VLLM_BI_CUDA_PREVIEW`` names it)."""
+        from vllm_bi import settings
+
+        self.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != name))
+
 
 def _reload_if(name: str) -> None:
     if str(name).startswith("VLLM_BI_"):

@@ -268,9 +268,7 @@ def kimi_feature(monkeypatch):
 
 
 def test_grouped_router_refused_while_the_kimi_feature_is_off(patched, monkeypatch):
-    from vllm_bi import settings
-
-    monkeypatch.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != "kimi-linear"))
+    monkeypatch.cuda_feature_off("kimi-linear")
     with pytest.raises(NotImplementedError, match="VLLM_BI_CUDA_PREVIEW=kimi-linear"):
         _grouped_router()._compute_routing(torch.zeros(5, H), torch.randn(5, E), None)
 

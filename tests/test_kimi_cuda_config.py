@@ -106,7 +106,7 @@ def test_preview_off_refuses_kimi_on_cuda(tmp_path, env, monkeypatch):
     """Negative control: with kimi-linear neither gated (taken out of CUDA_FEATURES here) nor previewed, the same
     checkpoint that the tests above configure is refused on CUDA, one line naming VLLM_BI_CUDA_PREVIEW=kimi-linear;
     nothing is set."""
-    monkeypatch.setattr(S, "CUDA_FEATURES", tuple(f for f in S.CUDA_FEATURES if f != "kimi-linear"))
+    monkeypatch.cuda_feature_off("kimi-linear")
     args = _args(_model(tmp_path, "KimiLinearForCausalLM"))
     assert EC._kimi_linear(args, CUDA) is False
     assert args.attention_backend is None and args.enforce_eager is False

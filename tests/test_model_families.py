@@ -88,6 +88,6 @@ def test_kimi_linear_is_refused_where_its_forwards_have_no_path(monkeypatch):
     assert why and "served batch-invariantly on cpu, cuda only" in why and "no ROCM path" in why and "\n" not in why
     monkeypatch.setattr(MF, "_platform", lambda: "cuda")
     assert "kimi-linear" in settings.CUDA_FEATURES and MF.refusal(config) is None
-    monkeypatch.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != "kimi-linear"))
+    monkeypatch.cuda_feature_off("kimi-linear")
     why = MF.refusal(config)
     assert why and "VLLM_BI_CUDA_PREVIEW=kimi-linear" in why and "\n" not in why

@@ -67,7 +67,7 @@ def test_rows_follow_the_settings(monkeypatch):
 
     assert "kimi-linear" in settings.CUDA_FEATURES
     assert {t.split(":")[1] for t in cuda_base if t.split(":")[1] in kimi} == kimi
-    monkeypatch.setattr(settings, "CUDA_FEATURES", tuple(f for f in settings.CUDA_FEATURES if f != "kimi-linear"))
+    monkeypatch.cuda_feature_off("kimi-linear")
     cuda_no_kimi = {p.target for p in active_rows("cuda", Settings())}
     cuda_kimi = {p.target for p in active_rows("cuda", Settings(cuda_preview="kimi-linear"))}
     assert cuda_kimi == cuda_base

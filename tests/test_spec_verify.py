@@ -216,10 +216,9 @@ def test_speculative_decoding_on_cuda_runs_model_runner_v2_eagerly(cuda_env):
 
 def test_speculative_decoding_refused_where_it_is_no_cuda_feature(cuda_env):
     """Control: with the feature taken off CUDA's list, a CUDA server refuses speculation by name."""
-    from vllm_bi import settings
     from vllm_bi.patch.engine_config import BatchInvarianceConfigError, _check_speculative
 
-    cuda_env.setattr(settings, "CUDA_FEATURES", ())
+    cuda_env.cuda_feature_off("speculative")
     with pytest.raises(BatchInvarianceConfigError, match="VLLM_BI_CUDA_PREVIEW=speculative"):
         _check_speculative(_args(), CUDA)
 
