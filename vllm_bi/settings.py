@@ -83,7 +83,6 @@ CANONICAL_ROWS_CUDA = True
 # gate's Kimi job). VLLM_BI_CUDA_PREVIEW runs the others, for measuring.
 FEATURES = ("speculative", "kimi-linear")
 CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear")
-PREVIEW_FEATURES = tuple(f for f in FEATURES if f not in CUDA_FEATURES)
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -129,8 +128,8 @@ SETTINGS = (
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
     _Spec("cuda_preview", "none", ("none", *FEATURES, "all"),
-          "run a CUDA feature that no GPU gate has shown exact yet, for measuring (one of PREVIEW_FEATURES); CUDA "
-          "already serves the gated ones (CUDA_FEATURES: speculative decoding, Kimi Linear), so naming one of those "
+          "run a CUDA feature that no GPU gate has shown exact yet (one of FEATURES not in CUDA_FEATURES), for "
+          "measuring; CUDA already serves the gated ones (speculative decoding, Kimi Linear), so naming one of those "
           "changes nothing; none refuses the previews by name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
