@@ -86,10 +86,10 @@ def jobs(models: str) -> list[tuple[S.Job, dict]]:
     for key in ("qwen3.5", "qwen3-next"):
         add(key, "chunk", "default", chunk_decode="padded")
     # Kimi Linear once it is a CUDA feature (the tree that lists it is the tree the gate runs; as a preview it is
-    # checked by its own GPU test, tests/gpu/test_kimi_linear_cuda.py). The torch attention op: the MLA head dim,
-    # 128 + 64, is no power of two, which the Triton kernel needs.
+    # checked by its own GPU test, tests/gpu/test_kimi_linear_cuda.py), with nothing set: the default attention op
+    # takes the torch op for its MLA (head dims 128 + 64, no power of two, which the Triton kernel needs)
     if "kimi-linear" in CUDA_FEATURES:
-        add("kimi-linear", "recurrent", "default", attention="torch")
+        add("kimi-linear", "recurrent", "default")
     add("qwen3.5-moe-odd", "recurrent", "default", stock=True)
     return out
 

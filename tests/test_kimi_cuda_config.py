@@ -3,8 +3,8 @@ driven with a fake CUDA platform object; no engine is started, no GPU needed.
 
 With the ``kimi-linear`` CUDA feature on (gated in ``CUDA_FEATURES``, so no variable is needed): TRITON_MLA is chosen
 and steps run eagerly; the chunk GDN mode, decode CUDA graphs, another attention backend, ``VLLM_KIMI_K3_GEMM_AR=1``
-and the Triton attention op (CUDA's default: MLA's head dims are no power of two) are each refused in one line naming
-the fix. With the feature taken out and not previewed (negative control) the model is refused on CUDA, naming the
+and the Triton attention op asked for by name (MLA's head dims are no power of two; CUDA's default, ``auto``, attends
+MLA with the torch op) are each refused in one line naming the fix. With the feature taken out and not previewed (negative control) the model is refused on CUDA, naming the
 preview variable. A Qwen checkpoint is left alone; ROCm stays refused."""
 
 import json
@@ -41,11 +41,11 @@ CUDA = FakePlatform("cuda")
 @pytest.fixture
 def env(monkeypatch):
     """Set ``VLLM_BI_*`` variables for one test (the suite's ``monkeypatch`` re-reads the settings on each change and
-    restores them after the test). The torch attention op, as Kimi Linear on CUDA needs."""
-    for name in ("VLLM_BI_CUDA_PREVIEW", "VLLM_BI_GDN_MODE", "VLLM_BI_CUDA_GRAPHS", "VLLM_BI_PRESET"):
+    restores them after the test). Nothing set but what the test sets: CUDA's default attention op."""
+    for name in ("VLLM_BI_CUDA_PREVIEW", "VLLM_BI_GDN_MODE", "VLLM_BI_CUDA_GRAPHS", "VLLM_BI_PRESET",
+                 "VLLM_BI_ATTENTION"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_KIMI_K3_GEMM_AR", "0")
-    monkeypatch.setenv("VLLM_BI_ATTENTION", "torch")
 
     def set_env(**values):
         for k, v in values.items():
@@ -81,6 +81,14 @@ def test_preview_on_chooses_triton_mla_and_eager_steps(tmp_path, env, monkeypatc
     assert MF.refusal(_kimi_config()) is None
     env(VLLM_BI_CUDA_PREVIEW="all")
     assert MF.refusal(_kimi_config()) is None
+    # the attention op: CUDA's default takes the torch op for MLA (and the Triton kernel elsewhere); so does torch
+    for value in ("auto", "torch"):
+        env(VLLM_BI_ATTENTION=value)
+        assert EC._kimi_linear(_args(args.model), CUDA) is True
+        assert S.current().attention_op("cuda", mla=True) == "torch"
+    assert S.current().attention_op("cuda") == "torch"
+    env(VLLM_BI_ATTENTION="auto")
+    assert S.current().attention_op("cuda") == "triton"
 
 
 @pytest.mark.parametrize("case, env_values, backend, fix", [
@@ -90,8 +98,7 @@ def test_preview_on_chooses_triton_mla_and_eager_steps(tmp_path, env, monkeypatc
     ("another backend", {}, "TRITON_ATTN", "Drop --attention-backend or choose TRITON_MLA"),
     ("another MLA backend", {}, "FLASHMLA", "Drop --attention-backend or choose TRITON_MLA"),
     ("fused GEMM + all-reduce", {"VLLM_KIMI_K3_GEMM_AR": "1"}, None, "unset it or set it to 0"),
-    ("Triton attention", {"VLLM_BI_ATTENTION": "triton"}, None, "set VLLM_BI_ATTENTION=torch"),
-    ("CUDA's default attention", {"VLLM_BI_ATTENTION": "auto"}, None, "set VLLM_BI_ATTENTION=torch"),
+    ("Triton attention", {"VLLM_BI_ATTENTION": "triton"}, None, "unset VLLM_BI_ATTENTION or set it to auto or torch"),
 ])
 def test_preview_on_refuses_in_one_line(tmp_path, env, case, env_values, backend, fix):
     env(VLLM_BI_CUDA_PREVIEW="kimi-linear", **env_values)

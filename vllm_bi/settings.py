@@ -99,7 +99,8 @@ SETTINGS = (
           "(h200-qwen3.5-9b), vllm (vLLM's own tiles) or tune (tuned for this device and the served model's shapes "
           "on a server's first start, cached under VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
           "ignored on CPU); auto: the shipped table"),
-    _Spec("attention", "auto", ("auto", "torch", "triton"), "attention op: auto is Triton on CUDA, torch on CPU"),
+    _Spec("attention", "auto", ("auto", "torch", "triton"),
+          "attention op: auto is Triton on CUDA (torch for multi-head latent attention), torch on CPU"),
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
           "row-local ops (RMSNorms, the GDN gated norm, SiLU-and-mul): one Triton kernel each, or torch's eager "
           f"kernels; auto: {ROWWISE_AUTO_CUDA} on CUDA, torch on CPU"),
@@ -250,10 +251,12 @@ class Settings:
             raise ValueError(f"unknown CUDA feature {name!r}; one of {', '.join(FEATURES)}")
         return name in CUDA_FEATURES or self.cuda_preview in (name, "all")
 
-    def attention_op(self, device: str) -> str:
-        """The attention op on ``device`` (``triton`` or ``torch``)."""
+    def attention_op(self, device: str, mla: bool = False) -> str:
+        """The attention op on ``device`` (``triton`` or ``torch``); ``mla``: for multi-head latent attention
+        (Kimi Linear's), which ``auto`` attends with the torch op on every device (its head dims, 128 + 64, are
+        no power of two, which the Triton kernel needs)."""
         if self.attention == "auto":
-            return "triton" if device == "cuda" else "torch"
+            return "triton" if device == "cuda" and not mla else "torch"
         return self.attention
 
     def rowwise_op(self, device: str) -> str:

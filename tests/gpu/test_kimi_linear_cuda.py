@@ -32,10 +32,9 @@ from vllm_bi.tiny_models import build_tiny_model  # noqa: E402
 
 ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.15"]
-# the MLA head dim (128 + 64, Kimi Linear 48B's) is no power of two, which the Triton attention kernel needs: the torch
-# attention op, in the server and in this process's trainer alike
-KIMI_ENV = {"VLLM_BI_ATTENTION": "torch", "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+# no attention setting: the default takes the torch op for MLA (head dims 128 + 64, Kimi Linear 48B's, no power of
+# two, which the Triton kernel needs), in the server and in this process's trainer alike
+KIMI_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 VOCAB = 512
 
 

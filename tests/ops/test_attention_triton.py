@@ -128,8 +128,12 @@ def test_backend_choice(monkeypatch):
     assert attention_backend("cpu") == "torch" and attention_backend("cuda") == "triton"  # the default: auto
     monkeypatch.setenv(ATTENTION_ENV, "auto")
     assert attention_backend("cpu") == "torch" and attention_backend("cuda") == "triton"
+    # multi-head latent attention: auto takes the torch op on CUDA too (head dims 128 + 64); a name is obeyed
+    assert attention_backend("cuda", mla=True) == "torch" and attention_backend("cpu", mla=True) == "torch"
     monkeypatch.setenv(ATTENTION_ENV, "torch")
     assert attention_backend("cuda") == "torch"
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    assert attention_backend("cuda", mla=True) == "triton"
     monkeypatch.setenv(ATTENTION_ENV, "flash")
     with pytest.raises(ValueError, match="VLLM_BI_ATTENTION=.flash. is not a setting; use one of auto, torch, triton"):
         attention_backend("cpu")

@@ -77,14 +77,16 @@ def bi_attn_forward(self, layer, query, key, value, kv_cache, attn_metadata, out
     return output
 
 
-def _paged_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, out: torch.Tensor) -> None:
+def _paged_rows(q_all: torch.Tensor, kv_cache: torch.Tensor, md, scale: float, out: torch.Tensor,
+                mla: bool = False) -> None:
     """Write the attention of the step's query rows ``q_all [T, H, D]`` into ``out [T, H, D]``, each row over its
     sequence's keys and values in the paged cache ``kv_cache [blocks, Hkv, block_size, 2 * D]``. ``md``: the step's
-    ``query_start_loc``, ``seq_lens``, ``block_table`` (and ``max_query_len``)."""
+    ``query_start_loc``, ``seq_lens``, ``block_table`` (and ``max_query_len``). ``mla``: the rows are multi-head
+    latent attention's (the op's choice, :func:`vllm_bi.ops.attention_triton.attention_backend`)."""
     _, hkv, block_size, two_d = kv_cache.shape
     d = two_d // 2
     dev = q_all.device
-    if attention_backend(dev) == "triton":
+    if attention_backend(dev, mla) == "triton":
         tiles = _tiles(md, dev, q_all.shape[1], hkv)
         paged_attention(q_all, kv_cache, md.block_table, tiles, scale, out=out)
         return
@@ -197,7 +199,7 @@ def bi_mla_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -
         lat = cache[step.blocks]  # [sequences * blocks each, block_size, r + rope]
         k, v = latent_keys_values(lat[..., :r], lat[..., r:], self.kv_b_proj.weight, H, nope, dv)
         kv = torch.cat([k, v], dim=-1).transpose(1, 2).contiguous()  # [blocks, H, block_size, 2 * (nope + rope)]
-        _paged_rows(q[:n], kv, step, self.scale, attn[:n])
+        _paged_rows(q[:n], kv, step, self.scale, attn[:n], mla=True)
     return self.o_proj(attn[..., :dv].reshape(T, H * dv))[0]
 
 

@@ -188,7 +188,7 @@ def mla_block(c: KimiConfig, x_TD: torch.Tensor, cu: list[int], w: dict[str, tor
     kv_a = bi_linear(x_TD, w["kv_a_proj_with_mqa.weight"])
     latent = rms_norm_maybe_residual(kv_a[:, :r], None, w["kv_a_layernorm.weight"], c.rms_norm_eps)
     k, v = latent_keys_values(latent, kv_a[:, r:], w["kv_b_proj.weight"], NH, nope, dv)
-    out = packed_causal_attention(q, k, v, cu, dqk**-0.5)[..., :dv]
+    out = packed_causal_attention(q, k, v, cu, dqk**-0.5, mla=True)[..., :dv]
     return bi_linear(out.reshape(T, NH * dv), w["o_proj.weight"])
 
 

@@ -43,11 +43,12 @@ __all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "completion_
 _ARCHS = QWEN_ARCHITECTURES  # config.json architecture -> (family, GDN projections packed per key-head group)
 
 
-def packed_causal_attention(q, k, v, cu: list[int], scale: float) -> torch.Tensor:
+def packed_causal_attention(q, k, v, cu: list[int], scale: float, mla: bool = False) -> torch.Tensor:
     """Causal attention of packed sequences (sequence ``i`` owns rows ``cu[i]:cu[i+1]``, from position 0),
-    all rows at once, with the op the server runs on this device (``VLLM_BI_ATTENTION``): the Triton kernel's
+    all rows at once, with the op the server runs on this device (``VLLM_BI_ATTENTION``; ``mla``: for multi-head
+    latent attention, as :func:`vllm_bi.ops.attention_triton.attention_backend`): the Triton kernel's
     :func:`packed_attention` or the torch op's :func:`causal_attention_rows`."""
-    if attention_backend(q.device) == "triton":
+    if attention_backend(q.device, mla) == "triton":
         return packed_attention(q, k, v, cu, scale)
     seq_t = torch.tensor([i for i in range(len(cu) - 1) for _ in range(cu[i + 1] - cu[i])], device=q.device)
     positions = [t - cu[i] for i in range(len(cu) - 1) for t in range(cu[i], cu[i + 1])]

@@ -22,8 +22,8 @@ The server reads vLLM's paged cache (``kv_cache [num_blocks, Hkv, block_size, 2 
 the trainer packs its sequences' keys in the same layout with a block size of 1 (:func:`packed_attention`) and
 runs the same kernel, with a backward by PyTorch's attention (gradients need accuracy, not bits).
 
-``VLLM_BI_ATTENTION`` picks the op: ``auto`` (this kernel on CUDA, :mod:`vllm_bi.ops.attention` on CPU), ``torch``
-or ``triton`` everywhere. Server and trainer read it alike; their bits match only if they agree (the trainer checks
+``VLLM_BI_ATTENTION`` picks the op: ``auto`` (this kernel on CUDA, :mod:`vllm_bi.ops.attention` on CPU and for
+multi-head latent attention, whose head dims are no power of two), ``torch`` or ``triton`` everywhere. Server and trainer read it alike; their bits match only if they agree (the trainer checks
 the server's setting). The default is ``auto``: on the H200 the kernel is exact (alone == batched == split, trainer
 == server path), takes 0.5-4x SDPA's time against the torch op's 26-4600x, and served models through it gave the
 trainer's bits on every token (qwen3.5, qwen3.5-moe, 9b-dims, the chunk GDN mode, 4 RL steps at 0.0;
@@ -51,13 +51,14 @@ NUM_STAGES = 2
 _KERNEL = None
 
 
-def attention_backend(device: torch.device | str) -> str:
-    """``"triton"`` or ``"torch"`` for tensors on ``device``, from ``VLLM_BI_ATTENTION`` (auto, torch, triton)."""
+def attention_backend(device: torch.device | str, mla: bool = False) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on ``device``, from ``VLLM_BI_ATTENTION`` (auto, torch, triton);
+    ``mla``: for multi-head latent attention (``auto`` takes the torch op there)."""
     from vllm_bi.ops._choice import check_triton_device
     from vllm_bi.settings import current
 
     dev_type = torch.device(device).type
-    choice = current().attention_op(dev_type)  # auto: Triton on CUDA (served parity on the H200), torch on CPU
+    choice = current().attention_op(dev_type, mla)  # auto: Triton on CUDA (served parity on the H200), torch on CPU
     check_triton_device("VLLM_BI_ATTENTION", choice, dev_type)
     return choice
 

@@ -255,10 +255,10 @@ def _kimi_linear(args, platform) -> bool:
             raise BatchInvarianceConfigError(
                 f"vllm_bi: VLLM_BI_CUDA_GRAPHS=decode{origin} captures decode steps, which Kimi Linear's glue plans on "
                 "the host; set VLLM_BI_CUDA_GRAPHS=off for Kimi Linear on CUDA")
-        if settings.attention_op("cuda") != "torch":
+        if settings.attention_op("cuda", mla=True) != "torch":
             raise BatchInvarianceConfigError(
                 "vllm_bi: Kimi Linear on CUDA attends with the torch attention op (the Triton kernel takes "
-                "power-of-two head dims; MLA's are 128 + 64); set VLLM_BI_ATTENTION=torch for the server and the trainer")
+                "power-of-two head dims; MLA's are 128 + 64); unset VLLM_BI_ATTENTION or set it to auto or torch")
     else:
         return False
     backend = KIMI_MLA_BACKEND[device]
