@@ -364,9 +364,10 @@ def profile_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def parity_part(model: str, out_dir: str, extra_server_args: str = "") -> dict:
+def parity_part(model: str, out_dir: str, extra_server_args: str = "", settings: dict | None = None) -> dict:
     """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens (``extra_server_args``: more
-    ``vllm serve`` arguments, e.g. a speculative config)."""
+    ``vllm serve`` arguments, e.g. a speculative config; ``settings``: ``VLLM_BI_*`` variables for the server and
+    the trainer, none by default)."""
     rng = random.Random(7)
     words = ("the of and a to in is you that it he was for on are as with his they at be this have from or one had "
              "by word but not what all were we when your can said there use an each which she do how their if will "
@@ -377,6 +378,7 @@ def parity_part(model: str, out_dir: str, extra_server_args: str = "") -> dict:
             n = [5, 40, 200, 600][i % 4] + rng.randrange(20)
             f.write(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(n))}) + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_BI_")}
+    env.update(settings or {})
     argv = [sys.executable, "-m", "vllm_bi.cli", "parity", "--model", model, "--prompts", path, "--n", "4",
             "--max-tokens", "128", "--json", "--trainer-device", "cuda", "--server-args",
             f"--gpu-memory-utilization 0.45 --max-model-len 2048 {DEVIATIONS} {extra_server_args}".strip()]

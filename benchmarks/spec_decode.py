@@ -164,6 +164,8 @@ def main() -> int:
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, among {', '.join(SIDES)}")
     ap.add_argument("--server-args", default=SERVER_ARGS, help="`vllm serve` arguments for every side")
     ap.add_argument("--parity", action="store_true", help="also vllm-bi parity against a speculative vllm_bi server")
+    ap.add_argument("--parity-settings", default="", help="VLLM_BI_* variables for the parity run's server and trainer "
+                    "(comma-separated NAME=VALUE; none by default)")
     ap.add_argument("--json-in", default=None, help="an earlier run's JSON: its rows are kept, this run's added")
     ap.add_argument("--out", default="spec_decode.md", help="the table (rewritten as rows come; JSON beside it)")
     args = ap.parse_args()
@@ -172,6 +174,9 @@ def main() -> int:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
     except ValueError as e:
         ap.error(str(e))
+    bad = [kv for kv in args.parity_settings.split(",") if kv and not (kv.startswith("VLLM_BI_") and "=" in kv)]
+    if bad:
+        ap.error(f"--parity-settings: {bad[0]!r} is not VLLM_BI_NAME=VALUE")
     if not 1 <= args.k <= 4 or not clients or min(clients) < 1:
         ap.error("--k takes 1 to 4 and --clients positive counts")
     if not os.path.exists(os.path.join(args.model, "config.json")):
@@ -212,7 +217,10 @@ def main() -> int:
             print(f"[spec] {side} failed: {e}", flush=True)
         write()
     if args.parity:
-        parity = parity_part(args.model, out_dir, extra_server_args=shlex.join(spec_args(args.k)))
+        settings = dict(kv.split("=", 1) for kv in args.parity_settings.split(",") if kv)
+        parity = parity_part(args.model, out_dir, extra_server_args=shlex.join(spec_args(args.k)), settings=settings)
+        if settings:
+            parity["settings"] = settings
         write()
     print(open(args.out).read())
     return 0

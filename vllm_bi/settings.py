@@ -119,8 +119,7 @@ SETTINGS = (
           f"{DIGEST_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("spec_verify", "steps", ("steps", "fused"),
           "how a GDN layer scores a speculative step's k + 1 rows on CUDA: steps (one one-token step per position) or "
-          "fused (one in-place pass per request, the state after each row stored in its slot; the same bits, not yet "
-          "GPU-verified)"),
+          "fused (one in-place pass per request, the state after each row stored in its slot; the same bits)"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
           "decode: capture decode steps in CUDA graphs (CUDA); auto: decode where the GDN mode and ops allow it"),
     _Spec("nonfinite_guard", True, (True, False), "a NaN or +inf logit fails its request instead of being served"),
