@@ -117,7 +117,7 @@ SETTINGS = (
           "the weight digest's value sums: torch's elementwise kernels, or one fused Triton kernel (CUDA; bf16, fp16 "
           "and fp32 tensors); the same digests either way, so server and trainer may differ; auto: "
           f"{DIGEST_AUTO_CUDA} on CUDA, torch on CPU"),
-    _Spec("spec_verify", "steps", ("steps", "fused"),
+    _Spec("spec_verify", "fused", ("steps", "fused"),
           "how a GDN layer scores a speculative step's k + 1 rows on CUDA: steps (one one-token step per position) or "
           "fused (one in-place pass per request, the state after each row stored in its slot; the same bits)"),
     _Spec("cuda_graphs", "auto", ("auto", "off", "decode"),
@@ -190,7 +190,7 @@ class Settings:
     chunk_decode: str = "auto"
     logprobs: str = "auto"
     digest: str = "auto"
-    spec_verify: str = "steps"
+    spec_verify: str = "fused"
     cuda_graphs: str = "auto"
     nonfinite_guard: bool = True
     debug_nonfinite: bool = False
