@@ -99,9 +99,12 @@ def test_trainer_equals_server(model, bi_server):
 def test_stock_server_differs_from_the_trainer(model, kimi_env, tmp_path_factory):
     """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router). Its MLA
     backend is TRITON_MLA, as the BI server's: the staged GPU install keeps only the compiled modules BI serving loads
-    (not FlashMLA's or CUTLASS's, which vLLM may pick on its own)."""
+    (not FlashMLA's or CUTLASS's, which vLLM may pick on its own). Its fused GEMM + all-reduce is off
+    (``VLLM_KIMI_K3_GEMM_AR=0``, as on the BI side): its module imports NVIDIA's CuTe DSL (``cutlass``), which the
+    staged install lacks, and with it on the stock server failed at start."""
     log = str(tmp_path_factory.mktemp("logs") / "kimi-stock.log")
-    env = cpu_env(False, {k: v for k, v in KIMI_ENV.items() if not k.startswith("VLLM_BI_")})
+    env = cpu_env(False, {**{k: v for k, v in KIMI_ENV.items() if not k.startswith("VLLM_BI_")},
+                          "VLLM_KIMI_K3_GEMM_AR": "0"})
     try:
         with VllmServer(model, batch_invariant=False, env=env, args=ARGS + ["--enforce-eager", "--attention-backend",
                                                                           "TRITON_MLA"],
