@@ -157,7 +157,8 @@ def verify(layer, N: int, k: int, W: int, dtype):
                                num_spec_decodes=N, spec_query_start_loc=torch.arange(0, T + 1, k + 1, dtype=torch.int32),
                                spec_state_indices_tensor=slots,
                                num_accepted_tokens=torch.full((N,), 2, dtype=torch.int32),
-                               non_spec_token_indx=None, spec_token_indx=None)
+                               non_spec_token_indx=None, spec_token_indx=None,
+                               vllm_bi_num_computed=torch.full((N,), 64, dtype=torch.int32))
 
     def step():
         glue.spec_step(layer, x, b, a, out, md, conv_cache, ssm, weight, False, False)
@@ -185,7 +186,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    hk, hv = (int(x) for x in args.heads.split(","))
+    try:
+        hk, hv = (int(x) for x in args.heads.split(","))
+        if hk < 1 or hv % hk:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--heads takes KEY_HEADS,VALUE_HEADS (value heads a multiple of key heads), got {args.heads!r}")
     dtype = getattr(torch, args.dtype)
     W, k = 4, args.k
     layer = make_layer(hk, hv, args.dim, k)

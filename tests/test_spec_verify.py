@@ -240,9 +240,10 @@ def test_speculative_decoding_on_cuda_refuses_what_it_cannot_verify(cuda_env, en
 
 
 def test_one_token_prompt_refused_while_speculating():
-    """A speculative server refuses a one-token prompt with a 400 naming the fix (its first token differed between busy
-    and alone in the speculative fuzz); two tokens pass, and so does one token on a server without drafts (control:
-    the check follows the speculative config); vLLM's own check still runs first."""
+    """A speculative CUDA server refuses a one-token prompt with a 400 naming the fix (the GDN glue's zeroing of a new
+    request's slots in a speculative row is checked on CPU only; the ledger installs this on CUDA); two tokens
+    pass, and so does one token on a server without drafts (control: the check follows the speculative config);
+    vLLM's own check still runs first."""
     from types import SimpleNamespace
 
     from vllm.exceptions import VLLMValidationError

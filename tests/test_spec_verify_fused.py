@@ -158,7 +158,8 @@ def md():
                                  num_spec_decodes=N, spec_query_start_loc=torch.tensor(qsl, dtype=torch.int32),
                                  spec_state_indices_tensor=table.int(),
                                  num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32),
-                                 non_spec_token_indx=None, spec_token_indx=None)
+                                 non_spec_token_indx=None, spec_token_indx=None,
+                                 vllm_bi_num_computed=torch.full((N,), 40, dtype=torch.int32))
 
 
 def step(mode, caches, dim_first, store_at_row0=False):

@@ -10,6 +10,8 @@ multi-token verify is another kernel than its decode)."""
 
 import json
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -44,11 +46,24 @@ def served(mtp_model):
             srv._post("/v1/completions", {"model": srv.model, "prompt": PROMPTS[0], "max_tokens": 4,
                                           "repetition_penalty": 1.3})
         out["refused"] = str(refused.value)
-        with pytest.raises(ServerError) as one_token:
-            srv._post("/v1/completions", {"model": srv.model, "prompt": [PROMPTS[0][0]], "max_tokens": 4})
-        out["refused_one_token"] = str(one_token.value)
+        out["one_token_busy"], out["one_token_alone"] = _one_token_prompts(srv)
         out["after"] = greedy(srv, PROMPTS[:1])[0]
     return out
+
+
+ONE_TOKEN = [[3], [250], [17], [901]]
+
+
+def _one_token_prompts(srv):
+    """One-token prompts sent one after another while three long greedy requests decode (vLLM's scheduler pads such a
+    request into a speculative row beside running decodes, and its state slots were used by earlier requests), then
+    each alone."""
+    busy = threading.Thread(target=greedy, args=(srv, PROMPTS[1:4]), kwargs={"max_tokens": 96}, daemon=True)
+    busy.start()
+    time.sleep(1.0)  # the long requests' prompts are in, their decodes running
+    among = [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]
+    busy.join()
+    return among, [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]
 
 
 def test_speculation_changes_no_bit_and_drafts_are_accepted(served):
@@ -75,13 +90,21 @@ def test_speculation_batch_invariant(served):
 
 def test_trainer_recompute_equals_speculative_server(served, mtp_model):
     model = QwenGDNForCausalLM.from_pretrained(mtp_model)
-    done = served["spec"] + served["spec_sampled"]
+    done = served["spec"] + served["spec_sampled"] + served["one_token_busy"]
     assert trainer_logprobs(model, done) == [c.logprobs for c in done]
+
+
+def test_one_token_prompts_beside_running_decodes(served):
+    """A one-token prompt scheduled beside running decodes becomes a speculative row whose slots held an earlier
+    request's state: the glue zeroes them (``new_spec_requests``), so it equals the same prompt alone (the glue test
+    ``test_new_request_in_a_speculative_row_starts_from_zeros`` has the control)."""
+    for busy, alone in zip(served["one_token_busy"], served["one_token_alone"]):
+        assert busy.token_ids == alone.token_ids and busy.logprobs == alone.logprobs
+    assert len({c.logprobs[0] for c in served["one_token_alone"]}) == len(ONE_TOKEN)  # four prompts, four answers
 
 
 def test_penalty_refused_server_keeps_serving(served):
     assert "repetition_penalty makes a token's sample depend on the draft tokens" in served["refused"]
-    assert "a one-token prompt is not batch-invariant there yet" in served["refused_one_token"]
     assert served["after"].token_ids == served["spec"][0].token_ids
 
 

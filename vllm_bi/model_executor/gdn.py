@@ -669,9 +669,14 @@ def chunk_kda_state_shape(orig):
 #   ``m - 1 .. m + W - 3``. A step without speculative requests (prefills) leaves each request's last ``W - 1`` raw
 #   rows at rows ``0 .. W - 2``: the window of ``m = 1``. This is the convention of vLLM's own conv-update kernel;
 #   here only vllm_bi reads and writes the values (vLLM copies whole slots).
-# - **One pass** (``VLLM_BI_SPEC_VERIFY=fused``, CUDA): :func:`_verify_fused` runs each request's rows as one
-#   sequence through the in-place kernel, which stores the state after each row into that row's slot: the same
-#   bits, no host read but the step's row offsets (once per step); not yet GPU-verified, so off by default.
+# - **One pass** (``VLLM_BI_SPEC_VERIFY=fused``, CUDA's default): :func:`_verify_fused` runs each request's rows as
+#   one sequence through the in-place kernel, which stores the state after each row into that row's slot: the same
+#   bits, no host read but the step's row offsets (once per step).
+# - **New requests among the speculative rows.** vLLM's scheduler pads a new request with one token to compute into
+#   ``1 + k`` rows (the token and ``k`` placeholder drafts, always rejected) when decodes run beside it, and the
+#   runner then counts it as a speculative row. Its slots still hold their previous owner's state and conv rows, so
+#   on CPU :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed. On CUDA this is
+#   not GPU-checked yet, and a speculative server refuses one-token prompts there (``patch/sampling``).
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
@@ -710,12 +715,39 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
             qsl = md.spec_query_start_loc[: n + 1].tolist()
         rows = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
         x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
-        o = verify_rows(layer, x, bb, aa, qsl, md.spec_state_indices_tensor[:n].long(),
-                        md.num_accepted_tokens[:n].long(), conv_cache, ssm_cache, weight, dim_first, kv_layout)
+        slots, accepted = md.spec_state_indices_tensor[:n].long(), md.num_accepted_tokens[:n].long()
+        if mixed_qkv.device.type == "cpu":
+            new = step_cached(md, "_vllm_bi_spec_new", mixed_qkv.device, lambda: new_spec_requests(md, n))
+            if new:
+                _clear_new_requests(new, slots, accepted, conv_cache, ssm_cache, W, dim_first, kv_layout)
+        o = verify_rows(layer, x, bb, aa, qsl, slots, accepted, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         if rows is None:
             out[: qsl[-1]] = o
         else:
             out[rows] = o
+
+
+def new_spec_requests(md, n: int) -> list[int]:
+    """The speculative requests (indices among the step's ``n``) with no computed token: new requests that vLLM's
+    scheduler padded into speculative rows (the module doc). Read from ``md.vllm_bi_num_computed``; the speculative
+    requests are the first ``n`` when the step has nothing else, else those of ``md.spec_sequence_masks``."""
+    computed = md.vllm_bi_num_computed
+    if md.num_prefills or md.num_decodes:
+        mask = md.spec_sequence_masks
+        computed = computed[: mask.shape[0]][mask[: computed.shape[0]]]
+    return (computed[:n] == 0).nonzero().flatten().tolist()
+
+
+def _clear_new_requests(new: list[int], slots: torch.Tensor, accepted: torch.Tensor, conv_cache: torch.Tensor,
+                        ssm_cache: torch.Tensor, W: int, dim_first: bool, kv_layout: bool) -> None:
+    """Zero what the verify reads for the speculative requests ``new`` (:func:`new_spec_requests`): the state slot
+    it starts from and the ``W - 1`` conv rows of its window. The request owns these slots from this step on; each
+    GDN layer clears its own caches."""
+    f = host_to(torch.tensor(new, dtype=torch.long), slots.device)
+    first = (accepted[f] - 1).clamp(min=0)
+    state_memory(ssm_cache, kv_layout)[slots[f, first]] = 0
+    window = first[:, None] + torch.arange(W - 1, device=slots.device)[None, :]
+    _rows_view(conv_cache, dim_first)[slots[f, 0][:, None], window] = 0
 
 
 def verify_rows(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: list[int], slots: torch.Tensor,

@@ -316,11 +316,12 @@ LEDGER: tuple[Patch, ...] = (
       "CPU generators have no offset: a seeded request whose prompt is chunked killed the engine",
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
       remove_when="vLLM's CPU generators support offsets"),
-    P("vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len", ALL,
-      "with --speculative-config a one-token prompt's first token differed between busy and alone in randomized "
-      "schedules (cause not found yet)", "such a prompt is refused (400) when the server decodes speculatively",
+    P("vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len", CUDA,
+      "with --speculative-config vLLM's scheduler pads a new one-token request into a speculative row, which starts "
+      "from its slots; the GDN glue zeroes them on CPU, not yet GPU-checked on CUDA",
+      "such a prompt is refused (400) when the server decodes speculatively",
       "vllm_bi.patch.sampling:wrap_validate_prompt_len", wraps=True,
-      remove_when="the speculative fuzz finds one-token prompts equal alone and busy"),
+      remove_when="a GPU run shows one-token prompts equal alone and busy with speculation on"),
     P("vllm.v1.engine.input_processor:InputProcessor._validate_params", ALL,
       "with --speculative-config, penalties, min_tokens and bad words make a position's sample depend on the draft "
       "tokens before it", "such a request is refused (400) when the server decodes speculatively",

@@ -233,10 +233,10 @@ def verify_drafts_v2(self, logits, input_batch, draft_logits=None, invalid_draft
 
 
 def wrap_validate_prompt_len(orig):
-    """A server with speculative decoding refuses (400, naming the fix) a one-token prompt: under randomized busy
-    schedules on CPU such a prompt's first token differed from the same request alone in 3 of 11 cases (prompts of
-    two or more tokens: 0 of 1,189; the same schedules without drafts: 0 of 480;
-    ``docs/results/2026-12-06-cpu-fuzz-speculative.md``)."""
+    """A CUDA server with speculative decoding refuses (400, naming the fix) a one-token prompt. vLLM's scheduler pads
+    such a new request into a speculative row when decodes run beside it; the GDN glue zeroes its slots before the
+    verify (``model_executor/gdn.new_spec_requests``), which is checked on CPU only
+    (``docs/results/2026-12-06-cpu-fuzz-speculative.md``)."""
 
     @functools.wraps(orig)
     def _validate_prompt_len(self, prompt_len, prompt_type):
@@ -246,7 +246,7 @@ def wrap_validate_prompt_len(orig):
 
             raise VLLMValidationError(
                 "vllm_bi: this batch-invariant server decodes speculatively, and a one-token prompt is not "
-                "batch-invariant there yet; send a prompt of two or more tokens, or serve without "
+                "batch-invariant there yet on CUDA; send a prompt of two or more tokens, or serve without "
                 "--speculative-config", parameter="prompt", value=prompt_len)
         return out
 
