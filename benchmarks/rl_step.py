@@ -7,7 +7,9 @@ model against a stock vLLM server the trainer starts: the non-batch-invariant ba
 (the defaults: a ``VLLM_BATCH_INVARIANT=1`` server and the op library). Each run's first step is a warm-up
 (compiles, autotuning) and left out; the table holds the median over the other steps of each part of the step,
 from the runs' ``metrics.jsonl``: rollout (``time/generate_s``), trainer forward+backward, optimizer, weight push
-(save + swap + verify) and the whole step, with the ratio vllm_bi / stock, and each run's max logprob gap.
+(save + swap + verify) and the whole step, with the ratio vllm_bi / stock, and each run's max logprob gap. ``--out``
+is rewritten after each side (a run cut short keeps the sides it finished) and each side's ``metrics.jsonl`` is
+copied beside it.
 A full-size 9B with AdamW does not fit one H200 beside a server: give a full-width checkpoint with fewer layers
 (``vllm-bi make-checkpoint qwen3.5-9b DIR --layers 8``) and say so with the numbers.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,14 +91,17 @@ def main() -> int:
     sides = [s for s in args.sides.split(",") if s]
     if not sides or any(s not in SIDES for s in sides):
         ap.error(f"--sides: a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
-    by_side = {side: medians(read_rows(run_side(side, args.model, args.steps, args.run_root, extra)))
-               for side in sides}
-    body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)
-    text = [f"# RL step, {' vs '.join(sides)}, {args.model}", "",
-            "command: " + shlex.join([sys.executable, *sys.argv]), "", *body]
     from common import emit
 
-    emit("\n".join(text) + "\n", args.out)
+    by_side: dict[str, dict] = {}
+    for side in sides:
+        metrics = run_side(side, args.model, args.steps, args.run_root, extra)
+        shutil.copyfile(metrics, os.path.splitext(args.out)[0] + f"-{side}-metrics.jsonl")
+        by_side[side] = medians(read_rows(metrics))
+        body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)
+        text = [f"# RL step, {' vs '.join(by_side)}, {args.model}", "",
+                "command: " + shlex.join([sys.executable, *sys.argv]), "", *body]
+        emit("\n".join(text) + "\n", args.out)
     return 0
 
 
