@@ -4,6 +4,8 @@ and the same from a server with the MTP drafter, alone and batched, with its dra
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 K = 3  # draft tokens per step
 SPEC = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": K})]
@@ -32,3 +34,18 @@ def speculative_run(srv) -> dict:
             "alone": [greedy(srv, [p])[0] for p in PROMPTS], "alone_sampled": sampled(srv, PROMPTS[:1]),
             "accepted": srv.metric_sum("vllm:spec_decode_num_accepted_tokens_total"),
             "drafted": srv.metric_sum("vllm:spec_decode_num_draft_tokens_total")}
+
+
+ONE_TOKEN = [[3], [250], [17], [901]]
+
+
+def one_token_prompts(srv) -> tuple[list, list]:
+    """One-token prompts sent one after another while three long greedy requests decode (vLLM's scheduler pads such a
+    request into a speculative row beside running decodes; its state slots were used by earlier requests), then
+    each alone: (beside the decodes, alone)."""
+    busy = threading.Thread(target=greedy, args=(srv, PROMPTS[1:4]), kwargs={"max_tokens": 96}, daemon=True)
+    busy.start()
+    time.sleep(1.0)  # the long requests' prompts are in, their decodes running
+    among = [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]
+    busy.join()
+    return among, [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]

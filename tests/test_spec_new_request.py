@@ -87,3 +87,13 @@ def test_new_spec_requests_reads_the_speculative_requests_of_a_mixed_step():
     alone = types.SimpleNamespace(num_prefills=0, num_decodes=0, spec_sequence_masks=torch.ones(2, dtype=torch.bool),
                                   vllm_bi_num_computed=torch.tensor([0, 3, 0], dtype=torch.int32))  # a padding row
     assert G.new_spec_requests(alone, 2) == [0]
+
+
+def test_cuda_zeroes_new_rows_only_with_its_preview(monkeypatch):
+    """CPU always; CUDA only where ``speculative-one-token`` is on (a preview until a GPU run shows it exact; a
+    speculative CUDA server refuses one-token prompts without it, ``tests/test_spec_verify.py``)."""
+    monkeypatch.delenv("VLLM_BI_CUDA_PREVIEW", raising=False)
+    assert G._zero_new_spec_rows(torch.device("cpu"))
+    assert not G._zero_new_spec_rows(torch.device("cuda"))
+    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative-one-token")  # the suite's monkeypatch re-reads settings
+    assert G._zero_new_spec_rows(torch.device("cuda"))

@@ -10,8 +10,6 @@ multi-token verify is another kernel than its decode)."""
 
 import json
 import os
-import threading
-import time
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.models.qwen_gdn import QwenGDNForCausalLM
 from vllm_bi.parity import trainer_logprobs
 from vllm_bi.tiny_models import add_mtp_layer
-from speculation import PROMPTS, SPEC, greedy, plain_run, speculative_run
+from speculation import ONE_TOKEN, PROMPTS, SPEC, greedy, one_token_prompts, plain_run, speculative_run
 
 pytestmark = pytest.mark.server
 
@@ -46,24 +44,9 @@ def served(mtp_model):
             srv._post("/v1/completions", {"model": srv.model, "prompt": PROMPTS[0], "max_tokens": 4,
                                           "repetition_penalty": 1.3})
         out["refused"] = str(refused.value)
-        out["one_token_busy"], out["one_token_alone"] = _one_token_prompts(srv)
+        out["one_token_busy"], out["one_token_alone"] = one_token_prompts(srv)
         out["after"] = greedy(srv, PROMPTS[:1])[0]
     return out
-
-
-ONE_TOKEN = [[3], [250], [17], [901]]
-
-
-def _one_token_prompts(srv):
-    """One-token prompts sent one after another while three long greedy requests decode (vLLM's scheduler pads such a
-    request into a speculative row beside running decodes, and its state slots were used by earlier requests), then
-    each alone."""
-    busy = threading.Thread(target=greedy, args=(srv, PROMPTS[1:4]), kwargs={"max_tokens": 96}, daemon=True)
-    busy.start()
-    time.sleep(1.0)  # the long requests' prompts are in, their decodes running
-    among = [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]
-    busy.join()
-    return among, [srv.complete(prompt_ids=p, max_tokens=4) for p in ONE_TOKEN]
 
 
 def test_speculation_changes_no_bit_and_drafts_are_accepted(served):

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 require_cuda_vllm_fla()
 
-from speculation import PROMPTS, SPEC, greedy, plain_run, speculative_run  # noqa: E402
+from speculation import ONE_TOKEN, PROMPTS, SPEC, greedy, one_token_prompts, plain_run, speculative_run  # noqa: E402
 
 from vllm_bi.launcher import VllmServer, cpu_env  # noqa: E402
 
@@ -81,6 +81,26 @@ def test_trainer_on_the_gpu_equals_the_speculative_server(served, mtp_model):
     got = trainer_logprobs(model, done)
     bad = [i for i, (t, c) in enumerate(zip(got, done)) if t != c.logprobs]
     assert bad == [], f"{len(bad)} of {len(done)} completions differ from the trainer"
+
+
+def test_one_token_prompts_beside_running_decodes_preview(mtp_model):
+    """The ``speculative-one-token`` preview: one-token prompts beside running decodes (padded by vLLM's scheduler into
+    speculative rows whose slots held earlier requests' states, zeroed by the glue) equal the same prompts alone and
+    the trainer on the GPU. Without the preview the server refuses them (the control of the refusal)."""
+    from vllm_bi.client import ServerError
+    from vllm_bi.models import from_pretrained
+    from vllm_bi.parity import trainer_logprobs
+
+    with VllmServer(mtp_model, env=cpu_env(True, DEV_MODE), args=ARGS + SPEC) as srv:
+        with pytest.raises(ServerError, match="VLLM_BI_CUDA_PREVIEW=speculative-one-token"):
+            srv.complete(prompt_ids=ONE_TOKEN[0], max_tokens=4)
+    env = cpu_env(True, {**DEV_MODE, "VLLM_BI_CUDA_PREVIEW": "speculative-one-token"})
+    with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
+        greedy(srv, PROMPTS)  # earlier requests leave their states in the slots
+        among, alone = one_token_prompts(srv)
+    assert _differences(among, alone) == []
+    model = from_pretrained(mtp_model).to("cuda")
+    assert trainer_logprobs(model, among) == [c.logprobs for c in among]
 
 
 def test_stock_speculation_changes_logprob_bits(mtp_model):

@@ -675,8 +675,9 @@ def chunk_kda_state_shape(orig):
 # - **New requests among the speculative rows.** vLLM's scheduler pads a new request with one token to compute into
 #   ``1 + k`` rows (the token and ``k`` placeholder drafts, always rejected) when decodes run beside it, and the
 #   runner then counts it as a speculative row. Its slots still hold their previous owner's state and conv rows, so
-#   on CPU :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed. On CUDA this is
-#   not GPU-checked yet, and a speculative server refuses one-token prompts there (``patch/sampling``).
+#   :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed: on CPU, and on CUDA as
+#   the ``speculative-one-token`` feature, not GPU-checked yet; without it a speculative CUDA server refuses
+#   one-token prompts (``patch/sampling``).
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
@@ -716,7 +717,7 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
         rows = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
         x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
         slots, accepted = md.spec_state_indices_tensor[:n].long(), md.num_accepted_tokens[:n].long()
-        if mixed_qkv.device.type == "cpu":
+        if _zero_new_spec_rows(mixed_qkv.device):
             new = step_cached(md, "_vllm_bi_spec_new", mixed_qkv.device, lambda: new_spec_requests(md, n))
             if new:
                 _clear_new_requests(new, slots, accepted, conv_cache, ssm_cache, W, dim_first, kv_layout)
@@ -725,6 +726,14 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
             out[: qsl[-1]] = o
         else:
             out[rows] = o
+
+
+def _zero_new_spec_rows(dev: torch.device) -> bool:
+    """Whether a speculative step zeroes the slots of new requests among its rows (:func:`new_spec_requests`): on CPU,
+    and on CUDA where the ``speculative-one-token`` CUDA feature is on (``settings.FEATURES``)."""
+    from vllm_bi.settings import current
+
+    return dev.type == "cpu" or current().cuda_feature("speculative-one-token")
 
 
 def new_spec_requests(md, n: int) -> list[int]:

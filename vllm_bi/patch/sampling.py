@@ -233,10 +233,11 @@ def verify_drafts_v2(self, logits, input_batch, draft_logits=None, invalid_draft
 
 
 def wrap_validate_prompt_len(orig):
-    """A CUDA server with speculative decoding refuses (400, naming the fix) a one-token prompt. vLLM's scheduler pads
-    such a new request into a speculative row when decodes run beside it; the GDN glue zeroes its slots before the
-    verify (``model_executor/gdn.new_spec_requests``), which is checked on CPU only
-    (``docs/results/2026-12-06-cpu-fuzz-speculative.md``)."""
+    """A CUDA server with speculative decoding refuses (400, naming the fix) a one-token prompt unless the
+    ``speculative-one-token`` CUDA feature is on. vLLM's scheduler pads such a new request into a speculative row
+    when decodes run beside it; the GDN glue zeroes its slots before the verify
+    (``model_executor/gdn.new_spec_requests``), which is checked on CPU
+    (``docs/results/2026-12-06-cpu-fuzz-speculative.md``), not yet on a GPU."""
 
     @functools.wraps(orig)
     def _validate_prompt_len(self, prompt_len, prompt_type):
@@ -244,10 +245,16 @@ def wrap_validate_prompt_len(orig):
         if prompt_type == "decoder" and prompt_len == 1 and getattr(self, "speculative_config", None) is not None:
             from vllm.exceptions import VLLMValidationError
 
+            from vllm_bi.settings import current
+
+            if current().cuda_feature("speculative-one-token"):
+                return out
+
             raise VLLMValidationError(
                 "vllm_bi: this batch-invariant server decodes speculatively, and a one-token prompt is not "
                 "batch-invariant there yet on CUDA; send a prompt of two or more tokens, or serve without "
-                "--speculative-config", parameter="prompt", value=prompt_len)
+                "--speculative-config (VLLM_BI_CUDA_PREVIEW=speculative-one-token serves it, not yet GPU-checked)",
+                parameter="prompt", value=prompt_len)
         return out
 
     return _validate_prompt_len
