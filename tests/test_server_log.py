@@ -1,7 +1,13 @@
 """A failed ``vllm serve`` start names its root cause: the engine process's traceback, which vLLM prints long
-before the API server's own (which only says the engine failed)."""
+before the API server's own (which only says the engine failed); a start whose chosen port was taken meanwhile is
+retried on another."""
 
-from vllm_bi.launcher import log_excerpt
+import socket
+import sys
+
+import pytest
+
+from vllm_bi.launcher import ServerStartError, VllmServer, log_excerpt
 
 
 def test_excerpt_shows_the_engine_traceback_before_the_tail(tmp_path):
@@ -30,3 +36,43 @@ def test_excerpt_is_the_tail_when_the_error_is_in_it(tmp_path):
     text = log_excerpt(str(log))
     assert "first error" not in text and "ValueError: bad model" in text
     assert log_excerpt(str(tmp_path / "missing.log")).startswith("no log at")
+
+
+FAKE_SERVE = r"""
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()  # OSError "Address already in use" if taken
+"""
+
+
+class _FakeServe(VllmServer):
+    """The launcher around a stand-in for ``vllm serve``: an HTTP server with ``/health`` on the given port."""
+
+    def command(self):
+        return [sys.executable, "-c", FAKE_SERVE, *self.args]
+
+
+def test_a_chosen_port_taken_before_the_server_binds_it_is_replaced(tmp_path):
+    """Two servers started at once can race for a port between ``free_port`` and the server's own bind (seen in CI:
+    ``OSError: [Errno 98] Address already in use``): a port the launcher chose is replaced and the start retried.
+    Control: a port the caller gave is not replaced, and the start fails naming the cause."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        srv = _FakeServe("m", log_path=str(tmp_path / "a.log"), startup_timeout=30)
+        srv._move_to(busy)  # as if another process had bound the chosen port first
+        with srv:
+            assert srv.port != busy and srv.url.endswith(f":{srv.port}") and srv.args[srv.args.index("--port") + 1] \
+                == str(srv.port)
+        with pytest.raises(ServerStartError, match="Address already in use"):
+            _FakeServe("m", port=busy, log_path=str(tmp_path / "b.log"), startup_timeout=30).start()

@@ -109,6 +109,7 @@ class VllmServer(VllmClient):
         api_key: str | None = None,
     ):
         self.port = port or free_port()
+        self._port_chosen = port is None  # a port picked here may be taken before the server binds it: retried
         self.env = dict(env) if env is not None else cpu_env(batch_invariant)
         user_args = list(args or [])
         given = api_key or _flag(user_args, "--api-key") or self.env.get("VLLM_API_KEY") or None
@@ -143,7 +144,20 @@ class VllmServer(VllmClient):
             raise ServerStartError("the `vllm` console script is not on PATH; install vllm_bi with its vLLM extra")
         return [exe, "serve", self.model] + self.args
 
+    PORT_TRIES = 3  # starts on a fresh port when the chosen one was taken before the server bound it
+
     def start(self) -> "VllmServer":
+        for attempt in range(1, self.PORT_TRIES + 1):
+            try:
+                return self._start_once()
+            except ServerStartError:
+                if not (self._port_chosen and attempt < self.PORT_TRIES and self._port_taken()):
+                    raise
+                logger.warning("vllm_bi: port %d was taken before the server bound it; starting on another", self.port)
+                self._move_to(free_port())
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "VllmServer":
         self._log = open(self.log_path, "w")
         from vllm_bi.settings import PARENT_PID_ENV
 
@@ -156,6 +170,21 @@ class VllmServer(VllmClient):
         except BaseException:  # Ctrl-C or a failed start: never leave the server behind
             self.stop()
             raise
+
+    def _port_taken(self) -> bool:
+        """Whether the last start failed because its port was in use (another process bound it between
+        :func:`free_port` and the server's own bind: two servers started at once can race so)."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "Address already in use" in f.read()
+        except OSError:
+            return False
+
+    def _move_to(self, port: int) -> None:
+        i = self.args.index("--port")
+        self.args[i + 1] = str(port)
+        self.url = self.url.rsplit(":", 1)[0] + f":{port}"
+        self.port = port
 
     def _wait_healthy(self) -> "VllmServer":
         deadline = time.time() + self.startup_timeout
