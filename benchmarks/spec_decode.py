@@ -174,9 +174,12 @@ def main() -> int:
         clients = [int(c) for c in args.clients.split(",") if c.strip()]
     except ValueError as e:
         ap.error(str(e))
-    bad = [kv for kv in args.parity_settings.split(",") if kv and not (kv.startswith("VLLM_BI_") and "=" in kv)]
-    if bad:
-        ap.error(f"--parity-settings: {bad[0]!r} is not VLLM_BI_NAME=VALUE")
+    parity_settings = {}
+    for kv in filter(None, args.parity_settings.split(",")):
+        if not (kv.startswith("VLLM_BI_") and "=" in kv):
+            ap.error(f"--parity-settings: {kv!r} is not VLLM_BI_NAME=VALUE")
+        name, value = kv.split("=", 1)
+        parity_settings[name] = value
     if not 1 <= args.k <= 4 or not clients or min(clients) < 1:
         ap.error("--k takes 1 to 4 and --clients positive counts")
     if not os.path.exists(os.path.join(args.model, "config.json")):
@@ -217,10 +220,10 @@ def main() -> int:
             print(f"[spec] {side} failed: {e}", flush=True)
         write()
     if args.parity:
-        settings = dict(kv.split("=", 1) for kv in args.parity_settings.split(",") if kv)
-        parity = parity_part(args.model, out_dir, extra_server_args=shlex.join(spec_args(args.k)), settings=settings)
-        if settings:
-            parity["settings"] = settings
+        parity = parity_part(args.model, out_dir, extra_server_args=shlex.join(spec_args(args.k)),
+                             settings=parity_settings)
+        if parity_settings:
+            parity["settings"] = parity_settings
         write()
     print(open(args.out).read())
     return 0

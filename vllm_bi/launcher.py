@@ -155,7 +155,6 @@ class VllmServer(VllmClient):
                     raise
                 logger.warning("vllm_bi: port %d was taken before the server bound it; starting on another", self.port)
                 self._move_to(free_port())
-        raise AssertionError("unreachable")
 
     def _start_once(self) -> "VllmServer":
         self._log = open(self.log_path, "w")

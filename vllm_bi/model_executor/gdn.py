@@ -709,11 +709,8 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
             out[rows] = sub
     if spec:
         n = md.num_spec_decodes
-        if _fused_verify(mixed_qkv.device, kv_layout):  # read once per step, shared by the GDN layers
-            qsl = step_cached(md, "_vllm_bi_spec_qsl", mixed_qkv.device,
-                              lambda: md.spec_query_start_loc[: n + 1].tolist())
-        else:
-            qsl = md.spec_query_start_loc[: n + 1].tolist()
+        # read once per step, shared by the GDN layers
+        qsl = step_cached(md, "_vllm_bi_spec_qsl", mixed_qkv.device, lambda: md.spec_query_start_loc[: n + 1].tolist())
         rows = md.spec_token_indx if (md.num_prefills or md.num_decodes) else None
         x, bb, aa = (mixed_qkv, b, a) if rows is None else (mixed_qkv[rows], b[rows], a[rows])
         slots, accepted = md.spec_state_indices_tensor[:n].long(), md.num_accepted_tokens[:n].long()
