@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 
 from vllm_bi.errors import UsageError
 
@@ -77,6 +78,11 @@ DIGEST_AUTO_CUDA = "triton"
 # contiguous tensor on the GPU; the copy into one layout fixes that, but it changes the bits of rows held in another
 # layout, so a change here lands with a full GPU gate run, as DEFAULT_PRESET does.
 CANONICAL_ROWS_CUDA = True
+# How the recurrent mode's CUDA kernel (vllm_bi.gdn.slots.recurrent_in_slots) cuts the state under
+# VLLM_BI_GDN_TILE=auto: "fla" is fla-core's fused recurrent launch (its bits; a trainer may run fla-core's kernel),
+# another value a tile of vllm_bi's own (gdn.slots.parse_tile; the trainer then runs vllm_bi's kernel too). A change
+# here changes CUDA's bits, as DEFAULT_PRESET does.
+GDN_TILE_AUTO_CUDA = "fla"
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
@@ -106,6 +112,10 @@ SETTINGS = (
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
           "row-local ops (RMSNorms, the GDN gated norm, SiLU-and-mul): one Triton kernel each, or torch's eager "
           f"kernels; auto: {ROWWISE_AUTO_CUDA} on CUDA, torch on CPU"),
+    _Spec("gdn_tile", "auto", None,
+          "the recurrent GDN kernel's tile on CUDA (server and trainer alike): fla (fla-core's launch, [K, 8] of the "
+          "state per program, one warp) or BVxWARPSxSTAGES, with +norm for the l2norms in a kernel of their own "
+          f"(e.g. 32x2x3+norm); each tile gives its own bits; auto: {GDN_TILE_AUTO_CUDA}"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
@@ -145,10 +155,11 @@ PRESETS = {
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
                   "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION",
-                  "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE", "logprobs": "VLLM_BI_LOGPROBS"}
+                  "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE", "logprobs": "VLLM_BI_LOGPROBS",
+                  "gdn_tile": "VLLM_BI_GDN_TILE"}
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
-          "logprobs": "log-softmax op"}
+          "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead
@@ -166,6 +177,8 @@ def _parse(spec: _Spec, raw: str, origin: str):
             return False
         raise UsageError(f"{origin}={raw!r} is not a setting; use 1 (on) or 0 (off)")
     if spec.choices is None:
+        if spec.name == "gdn_tile":
+            return _tile_value(value, origin)
         return TUNE if spec.name == "gemm_configs" and value.lower() == TUNE else value
     value = value.lower()
     value = _ALIASES.get(spec.name, {}).get(value, value)
@@ -174,6 +187,17 @@ def _parse(spec: _Spec, raw: str, origin: str):
     if value not in spec.choices:
         raise UsageError(f"{origin}={raw!r} is not a setting; use one of {', '.join(spec.choices)} "
                          f"(default {spec.default})")
+    return value
+
+
+def _tile_value(raw: str, origin: str) -> str:
+    value = raw.strip().lower()
+    if value in ("auto", "fla"):
+        return value
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(\+norm)?", value)
+    if m is None or int(m[1]) not in (8, 16, 32, 64, 128) or int(m[2]) not in (1, 2, 4, 8) or not 1 <= int(m[3]) <= 4:
+        raise UsageError(f"{origin}={raw!r} is not a tile; use auto, fla or BVxWARPSxSTAGES[+norm] with BV in 8..128 "
+                         "(a power of two), WARPS in 1, 2, 4, 8 and STAGES in 1..4, e.g. 32x2x3+norm")
     return value
 
 
@@ -188,6 +212,7 @@ class Settings:
     gemm_configs: str = "auto"
     attention: str = "auto"
     rowwise: str = "auto"
+    gdn_tile: str = "auto"
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
@@ -265,6 +290,13 @@ class Settings:
         if self.rowwise == "auto":
             return ROWWISE_AUTO_CUDA if device == "cuda" else "torch"
         return self.rowwise
+
+    def recurrent_tile(self, device: str) -> str:
+        """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES[+norm]``); ``none`` where no
+        such kernel runs (CPU, the chunk mode)."""
+        if device != "cuda" or self.gdn_mode != "recurrent":
+            return "none"
+        return GDN_TILE_AUTO_CUDA if self.gdn_tile == "auto" else self.gdn_tile
 
     def logprobs_op(self, device: str) -> str:
         """The log-softmax's implementation on ``device`` (``torch`` or ``triton``)."""
@@ -354,7 +386,7 @@ class Settings:
         return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
                 "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none", "attention": self.attention_op(device),
                 "rowwise": self.rowwise_op(device), "moe": self.moe_path(device),
-                "logprobs": self.logprobs_op(device)}
+                "logprobs": self.logprobs_op(device), "gdn_tile": self.recurrent_tile(device)}
 
     def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
         """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``

@@ -86,14 +86,21 @@ def test_matches_float64_reference_and_gradients():
     assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
 
 
-def test_recurrent_in_slots_equals_fla_core():
+@pytest.mark.parametrize("tile", ["fla", "32x2x3+norm"])
+def test_recurrent_in_slots_equals_fla_core(tile, monkeypatch):
     """The server's in-place recurrent step (``gdn_slots.recurrent_in_slots``: states read from and written to
-    their cache slots) == the trainer's forward (``gdn_recurrent_varlen``: fla-core's fused recurrent kernel on
-    gathered states), bit for bit: the outputs and the states written into the slots. Slots no sequence owns,
-    and the padding between slots, stay as they were. Prefill-like lengths, then a 256-request decode."""
+    their cache slots) == the trainer's forward (``gdn_recurrent_varlen``), bit for bit: the outputs and the states
+    written into the slots. Slots no sequence owns, and the padding between slots, stay as they were. Prefill-like
+    lengths, then a 256-request decode. Under ``VLLM_BI_GDN_TILE=fla`` the trainer's forward is fla-core's fused
+    recurrent kernel on gathered states; under a tile of vllm_bi's own it is the same kernel as the server's, and the
+    control checks that such a tile's bits do differ from fla-core's (so the setting decides them)."""
+    from vllm_bi import settings
     from vllm_bi.ops.device import index_on
-    from vllm_bi.gdn.slots import recurrent_in_slots
+    from vllm_bi.gdn.slots import FLA_TILE, recurrent_in_slots
 
+    monkeypatch.setattr(settings, "_CURRENT", None)  # the settings are read again here and restored after the test
+    monkeypatch.setenv("VLLM_BI_GDN_TILE", tile)
+    settings.reload()
     for lens in ([300, 17, 1, 64, 129, 1, 2], [1] * 256):
         seqs = [_seq(T, 100 + i) for i, T in enumerate(lens)]
         N, S = len(lens), len(lens) + 5
@@ -118,3 +125,9 @@ def test_recurrent_in_slots_equals_fla_core():
             assert torch.equal(pool[int(slots[i])], fin_ref[i].transpose(-1, -2)), f"lens {lens[:8]}: slot of seq {i}"
         others = sorted(set(range(S)) - set(slots.tolist()))
         assert torch.equal(buf[others], pool0[others]) and torch.equal(buf[:, HV * K * V :], pool0[:, HV * K * V :])
+        if tile != "fla" and lens[0] > 1:  # control: the fla tile's bits are not this tile's
+            ctrl = pool0.clone()[:, : HV * K * V].unflatten(1, (HV, K, V))
+            o_fla, _, _ = gdn_run(lambda q, k, v, g, beta, _s, cu: (recurrent_in_slots(
+                q, k, v, g, beta, ctrl, slots.to(DEV), index_on(cu, DEV), K**-0.5, fresh.to(DEV), tile=FLA_TILE), None),
+                seqs)
+            assert not torch.equal(o_fla, o), f"tile {tile}: the same bits as fla-core's tile"

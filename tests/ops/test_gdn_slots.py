@@ -208,3 +208,84 @@ def test_server_glue_updates_slots_in_place_in_interpreter(interpreted):
 
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     interpreted(f"TESTS = {tests!r}\n" + GLUE)
+
+
+TILES = """
+import os
+import torch
+from vllm_bi.gdn.slots import FLA_TILE, Tile, recurrent_in_slots
+
+torch.manual_seed(2)
+H, HV, K, V = 2, 4, 16, 32
+L, S = 9, 24
+q, k = torch.randn(L, H, K).bfloat16(), torch.randn(L, H, K).bfloat16()
+v = torch.randn(L, HV, V).bfloat16()
+g = -torch.rand(L, HV) * 0.5
+beta = torch.rand(L, HV)
+pool0 = torch.randn(S, HV, K, V) * 0.3
+scale = K ** -0.5
+slot = torch.tensor([3])
+
+
+def run(lo, hi, pool, tile, spec=None):
+    return recurrent_in_slots(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], pool, slot,
+                              torch.tensor([0, hi - lo]), scale, spec_slots=spec, tile=tile)
+
+
+def reference():
+    st, out = pool0[3].double(), []
+    for t in range(L):
+        o_t = []
+        for hv in range(HV):
+            h = hv // (HV // H)
+            qt, kt = q[t, h].double(), k[t, h].double()
+            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
+            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
+            st[hv] = st[hv] * torch.exp(g[t, hv].double())
+            vt = beta[t, hv].double() * (v[t, hv].double() - kt @ st[hv])
+            st[hv] = st[hv] + torch.outer(kt, vt)
+            o_t.append(qt @ st[hv])
+        out.append(torch.stack(o_t))
+    return torch.stack(out), st
+
+
+o_ref, st_ref = reference()
+for tile in (Tile(16, 2, 2, True), Tile(32, 4, 1, False)):
+    whole_pool = pool0.clone()
+    whole = run(0, L, whole_pool, tile)
+    assert float((whole.double() - o_ref).abs().max() / o_ref.abs().max()) <= 1e-2, tile
+    assert float((whole_pool[3].double() - st_ref).abs().max() / st_ref.abs().max()) <= 1e-5, tile
+    split_pool, step_pool, spec_pool = pool0.clone(), pool0.clone(), pool0.clone()
+    split = torch.cat([run(0, 5, split_pool, tile), run(5, L, split_pool, tile)])
+    steps = torch.cat([run(0, 5, step_pool, tile)] + [run(t, t + 1, step_pool, tile) for t in range(5, L)])
+    table = torch.tensor([[10, 11, 12, 13]])
+    spec = torch.cat([run(0, 5, spec_pool, tile), run(5, L, spec_pool, tile, spec=table)])
+    assert torch.equal(whole, split) and torch.equal(whole, steps) and torch.equal(whole, spec), tile
+    for p in (split_pool[3], step_pool[3], spec_pool[13]):
+        assert torch.equal(p, whole_pool[3]), tile
+    # control: a split whose second part does not start from the first part's state gives other bits
+    cut_pool = pool0.clone()
+    run(0, 5, cut_pool, tile)
+    lost = recurrent_in_slots(q[5:], k[5:], v[5:], g[5:], beta[5:], cut_pool, slot, torch.tensor([0, L - 5]), scale,
+                              torch.tensor([1]), tile=tile)
+    assert not torch.equal(lost, whole[5:]), tile
+    # the trainer's forward under this tile runs the server's kernel: the same bits
+    os.environ["VLLM_BI_GDN_TILE"] = "x".join(map(str, tile[:3])) + ("+norm" if tile.prenorm else "")
+    from vllm_bi import settings
+    from vllm_bi.gdn.recurrent import _fla_recurrent
+    settings.reload()
+    o_tr, h_tr = _fla_recurrent(q[None], k[None], v[None], g[None], beta[None], pool0[3:4].clone(),
+                                torch.tensor([0, L]), scale)
+    assert torch.equal(o_tr[0], whole) and torch.equal(h_tr[0], whole_pool[3]), tile
+print("ok")
+"""
+
+
+def test_recurrent_tiles_in_interpreter(interpreted):
+    """Tiles of vllm_bi's own (``VLLM_BI_GDN_TILE``; one with the l2norms in their own kernel): against a float64
+    recurrence (outputs 1e-2 relative, bf16-rounded; states 1e-5), a sequence whole == split == prefill then one-token
+    steps == through the speculative path, outputs and final states bit for bit, and the trainer's forward under the
+    setting == the server's kernel bit for bit. (Their bits against the fla tile's differ on a GPU, where a reduction's
+    order follows the tile; the interpreter sums in numpy's order, so that control is the GPU benchmark's
+    ``bits = fla`` column, ``benchmarks/gdn_recurrent_tiles.py``.)"""
+    interpreted(TILES)

@@ -134,7 +134,8 @@ def gdn_recurrent(
 class FLAGatedDeltaRule(torch.autograd.Function):
     """A fla-core forward with a backward that works on every GPU.
 
-    Forward: ``kind="recurrent"`` is fla-core's fused recurrent kernel (vllm_bi's recurrent mode),
+    Forward: ``kind="recurrent"`` is fla-core's fused recurrent kernel (vllm_bi's recurrent mode; under a
+    ``VLLM_BI_GDN_TILE`` of vllm_bi's own, :func:`vllm_bi.gdn.slots.recurrent_in_slots` with that tile, as the server),
     ``kind="chunk"`` its chunked kernel (the chunk-aligned mode; callers pin its configs,
     :func:`vllm_bi.gdn.chunk.pin_fla_chunk_configs`). fla-core layout: ``q, k [1, T, H, K]``,
     ``v [1, T, HV, V]``, ``g, beta [1, T, HV]``, ``h0 [N, HV, K, V]`` fp32, ``cu`` a LongTensor; l2norm of q
@@ -183,6 +184,14 @@ class FLAGatedDeltaRule(torch.autograd.Function):
 
 
 def _fla_recurrent(q, k, v, g, beta, h0, cu, scale):
+    from vllm_bi.gdn.slots import FLA_TILE, current_tile, recurrent_in_slots
+
+    tile = current_tile()
+    if tile != FLA_TILE:  # a tile of vllm_bi's own (VLLM_BI_GDN_TILE): its bits come only from its kernel
+        pool = h0.detach().float().contiguous().clone()
+        slots = torch.arange(pool.shape[0], device=pool.device)
+        o = recurrent_in_slots(q[0], k[0], v[0], g[0], beta[0], pool, slots, cu, scale, tile=tile)
+        return o.unsqueeze(0), pool
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     per_channel = g.dim() == 4  # [1, T, HV, K]: Kimi Delta Attention's decay per key channel, fla-core's gk
