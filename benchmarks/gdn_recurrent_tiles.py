@@ -29,7 +29,7 @@ from common import emit, ms_cell, ratio_cell, timed
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B: 16 key heads, 32 value heads, head dim 128
 
-DEFAULT_TILES = "fla,16x1x3,32x1x3,32x2x3,32x4x3,64x4x3,128x4x2,8x1x3+norm,32x2x3+norm,64x4x3+norm"
+DEFAULT_TILES = "fla,16x1x3,32x1x3,32x2x3,32x4x3,64x2x3,64x4x3,128x4x2,128x8x2,8x1x3+norm,32x2x3+norm,64x4x3+norm"
 
 
 def _inputs(lens, dev, seed=0, fresh=True):

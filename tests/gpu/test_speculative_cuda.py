@@ -86,18 +86,22 @@ def test_trainer_on_the_gpu_equals_the_speculative_server(served, mtp_model):
     assert bad == [], f"{len(bad)} of {len(done)} completions differ from the trainer"
 
 
-def test_one_token_prompts_beside_running_decodes_preview(mtp_model):
-    """The ``speculative-one-token`` preview: one-token prompts beside running decodes (padded by vLLM's scheduler into
-    speculative rows whose slots held earlier requests' states, zeroed by the glue) equal the same prompts alone and
-    the trainer on the GPU. Without the preview the server refuses them (the control of the refusal)."""
+def test_one_token_prompts_beside_running_decodes(mtp_model):
+    """One-token prompts beside running decodes (padded by vLLM's scheduler into speculative rows whose slots held
+    earlier requests' states, zeroed by the glue) equal the same prompts alone and the trainer on the GPU. While
+    ``speculative-one-token`` is a preview (not in ``settings.CUDA_FEATURES``) the server runs them only under
+    ``VLLM_BI_CUDA_PREVIEW`` and refuses them without it (the control of the refusal)."""
+    from vllm_bi import settings
     from vllm_bi.client import ServerError
     from vllm_bi.models import from_pretrained
     from vllm_bi.parity import trainer_logprobs
 
-    with VllmServer(mtp_model, env=cpu_env(True, DEV_MODE), args=ARGS + SPEC) as srv:
-        with pytest.raises(ServerError, match="VLLM_BI_CUDA_PREVIEW=speculative-one-token"):
-            srv.complete(prompt_ids=ONE_TOKEN[0], max_tokens=4)
-    env = cpu_env(True, {**DEV_MODE, "VLLM_BI_CUDA_PREVIEW": "speculative-one-token"})
+    env = cpu_env(True, DEV_MODE)
+    if "speculative-one-token" not in settings.CUDA_FEATURES:
+        with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
+            with pytest.raises(ServerError, match="VLLM_BI_CUDA_PREVIEW=speculative-one-token"):
+                srv.complete(prompt_ids=ONE_TOKEN[0], max_tokens=4)
+        env = cpu_env(True, {**DEV_MODE, "VLLM_BI_CUDA_PREVIEW": "speculative-one-token"})
     with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
         greedy(srv, PROMPTS)  # earlier requests leave their states in the slots
         among, alone = one_token_prompts(srv)
