@@ -230,3 +230,22 @@ def test_a_run_checkpointed_in_the_retired_hybrid_mode_is_refused_with_the_fix(t
     msg = str(e.value)
     assert "\n" not in msg and "hybrid GDN mode" in msg and "retired" in msg and "--resume false" in msg
     assert "as the run had it" not in msg
+
+
+def test_a_cuda_run_from_before_the_tile_setting_resumed_under_another_tile_is_refused(tmp_path):
+    """A CUDA run checkpointed before ``VLLM_BI_GDN_TILE`` existed (its settings lack the key: fla-core's tile ran)
+    and resumed under a tile of vllm_bi's own: refused in one line naming the setting and a fresh start; under the
+    fla tile it resumes (control), and a CPU run (no tile) is not affected."""
+    from vllm_bi.settings import Settings
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    old = Settings.from_env({}).arithmetic("cuda")
+    del old["gdn_tile"]
+    with pytest.raises(TrainerError) as e:
+        check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_TILE": "32x2x3+norm"}).arithmetic("cuda"))
+    msg = str(e.value)
+    assert "\n" not in msg and "VLLM_BI_GDN_TILE" in msg and "'fla'" in msg and "--resume false" in msg
+    check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_TILE": "fla"}).arithmetic("cuda"))
+    cpu_old = Settings.from_env({}).arithmetic("cpu")
+    del cpu_old["gdn_tile"]
+    check_resume_settings(str(tmp_path), cpu_old, Settings.from_env({}).arithmetic("cpu"))

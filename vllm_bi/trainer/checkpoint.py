@@ -48,6 +48,8 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
 
     if now.get("gemm_configs") == TUNE_PENDING:
         now = {k: v for k, v in now.items() if k != "gemm_configs"}
+    if saved and "gdn_tile" not in saved and now.get("gdn_tile", "none") != "none":
+        saved = {**saved, "gdn_tile": "fla"}  # made before the setting existed: CUDA then ran fla-core's tile
     rows = diff(saved or {}, now)
     if rows:
         key, a, b = rows[0]
