@@ -1,13 +1,13 @@
 """Benchmark: the recurrent GDN kernel's tiles (``VLLM_BI_GDN_TILE``) at Qwen3.5-9B's GDN dimensions.
 
-    python benchmarks/gdn_recurrent_tiles.py [--tiles fla,32x2x3+norm,...] [--out tiles.md]
+    python benchmarks/gdn_recurrent_tiles.py [--tiles fla,32x2x3,...] [--out tiles.md]
     python benchmarks/gdn_recurrent_tiles.py --device cpu --small     # logic only (TRITON_INTERPRET=1), no timing
 
 The recurrent mode walks every token of a prompt through the state, so its prefill costs 3-20x fla-core's chunked
 kernels per layer (``docs/performance.md``). :func:`vllm_bi.gdn.slots.recurrent_in_slots` runs fla-core's launch
-(``fla``: ``[K, 8]`` of the state per program, one warp) by default; other tiles give more work to a program, and
-``+norm`` computes the per-token l2norms of q and k once per key head in a kernel of their own instead of in every
-program. Each tile has its own bits, which the trainer then reproduces by running the same kernel.
+(``fla``: ``[K, 8]`` of the state per program, one warp) by default; other tiles give a program more values of the
+state, more warps or other pipelining. Each tile has its own bits, which the trainer then reproduces by running the
+same kernel.
 
 Rows: prefill ``B x T`` (new sequences) and decode ``B x 1`` (states in shuffled slots). Columns: the median
 milliseconds (CUDA events) per tile, its ratio to the ``fla`` tile, and, for prefills, fla-core's chunked kernel
@@ -29,7 +29,7 @@ from common import emit, ms_cell, ratio_cell, timed
 
 H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B: 16 key heads, 32 value heads, head dim 128
 
-DEFAULT_TILES = "fla,16x1x3,32x1x3,32x2x3,32x4x3,64x2x3,64x4x3,128x4x2,128x8x2,8x1x3+norm,32x2x3+norm,64x4x3+norm"
+DEFAULT_TILES = "fla,8x1x1,8x2x3,16x1x3,16x2x3,32x1x3,32x2x3,32x4x3,64x2x3,64x4x3,128x4x2,128x8x2"
 
 
 def _inputs(lens, dev, seed=0, fresh=True):

@@ -115,8 +115,8 @@ SETTINGS = (
           f"kernels; auto: {ROWWISE_AUTO_CUDA} on CUDA, torch on CPU"),
     _Spec("gdn_tile", "auto", None,
           "the recurrent GDN kernel's tile on CUDA (server and trainer alike): fla (fla-core's launch, [K, 8] of the "
-          "state per program, one warp) or BVxWARPSxSTAGES, with +norm for the l2norms in a kernel of their own "
-          f"(e.g. 32x2x3+norm); each tile gives its own bits; auto: {GDN_TILE_AUTO_CUDA}"),
+          "state per program, one warp) or BVxWARPSxSTAGES (values of the state per program, Triton warps and stages, "
+          f"e.g. 32x2x3); each tile gives its own bits; auto: {GDN_TILE_AUTO_CUDA}"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
@@ -195,10 +195,10 @@ def _tile_value(raw: str, origin: str) -> str:
     value = raw.strip().lower()
     if value in ("auto", "fla"):
         return value
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(\+norm)?", value)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)", value)
     if m is None or int(m[1]) not in (8, 16, 32, 64, 128) or int(m[2]) not in (1, 2, 4, 8) or not 1 <= int(m[3]) <= 4:
-        raise UsageError(f"{origin}={raw!r} is not a tile; use auto, fla or BVxWARPSxSTAGES[+norm] with BV in 8..128 "
-                         "(a power of two), WARPS in 1, 2, 4, 8 and STAGES in 1..4, e.g. 32x2x3+norm")
+        raise UsageError(f"{origin}={raw!r} is not a tile; use auto, fla or BVxWARPSxSTAGES with BV in 8..128 "
+                         "(a power of two), WARPS in 1, 2, 4, 8 and STAGES in 1..4, e.g. 32x2x3")
     return value
 
 
@@ -293,7 +293,7 @@ class Settings:
         return self.rowwise
 
     def recurrent_tile(self, device: str) -> str:
-        """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES[+norm]``); ``none`` where no
+        """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES``); ``none`` where no
         such kernel runs (CPU, the chunk mode)."""
         if device != "cuda" or self.gdn_mode != "recurrent":
             return "none"

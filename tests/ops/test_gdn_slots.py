@@ -250,7 +250,7 @@ def reference():
 
 
 o_ref, st_ref = reference()
-for tile in (Tile(16, 2, 2, True), Tile(32, 4, 1, False)):
+for tile in (Tile(16, 2, 2), Tile(32, 4, 1)):
     whole_pool = pool0.clone()
     whole = run(0, L, whole_pool, tile)
     assert float((whole.double() - o_ref).abs().max() / o_ref.abs().max()) <= 1e-2, tile
@@ -270,7 +270,7 @@ for tile in (Tile(16, 2, 2, True), Tile(32, 4, 1, False)):
                               torch.tensor([1]), tile=tile)
     assert not torch.equal(lost, whole[5:]), tile
     # the trainer's forward under this tile runs the server's kernel: the same bits
-    os.environ["VLLM_BI_GDN_TILE"] = "x".join(map(str, tile[:3])) + ("+norm" if tile.prenorm else "")
+    os.environ["VLLM_BI_GDN_TILE"] = "x".join(map(str, tile))
     from vllm_bi import settings
     from vllm_bi.gdn.recurrent import _fla_recurrent
     settings.reload()
@@ -282,7 +282,7 @@ print("ok")
 
 
 def test_recurrent_tiles_in_interpreter(interpreted):
-    """Tiles of vllm_bi's own (``VLLM_BI_GDN_TILE``; one with the l2norms in their own kernel): against a float64
+    """Tiles of vllm_bi's own (``VLLM_BI_GDN_TILE``): against a float64
     recurrence (outputs 1e-2 relative, bf16-rounded; states 1e-5), a sequence whole == split == prefill then one-token
     steps == through the speculative path, outputs and final states bit for bit, and the trainer's forward under the
     setting == the server's kernel bit for bit. (Their bits against the fla tile's differ on a GPU, where a reduction's

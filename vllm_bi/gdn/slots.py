@@ -16,10 +16,12 @@ tile (``[K, 8]`` of the ``[K, V]`` state per program, one warp, three stages), w
   fla-core's ``gk``); ``v' = beta * (v - sum_k(S * k))``; ``S += k v'^T``; ``o = sum_k(S * q)``;
 * the state starts as ``0 + S0`` (fla-core adds its loaded initial state to zeros), or 0 for a new request.
 
-Only the addresses differ. A speculative step's rows (``spec_slots``) run through the same kernel (``SPEC``), one
-sequence per request with the state after each row stored into that row's slot: the bits of one call per row.
+Only the addresses differ. A speculative step's rows (``spec_slots``) run through :func:`_spec_in_slots`, one
+sequence per request with the state after each row stored into that row's slot: the bits of one call per row. It is
+a kernel of its own, its per-token arithmetic the same line for line, so that the decode kernel stays the one the
+GPU gate runs until a GPU run shows the speculative one exact (``VLLM_BI_SPEC_VERIFY``).
 
-Other tiles (:class:`Tile`: more values per program, more warps, the l2norms in a kernel of their own) do the same
+Other tiles (:class:`Tile`: more values of the state per program, more warps, other pipelining) run the same
 operations per element, but a reduction's order follows the tile, so their bits are their own: a trainer then runs
 this kernel for its forward too (:func:`vllm_bi.gdn.recurrent.gdn_recurrent_varlen`).
 
@@ -38,26 +40,23 @@ __all__ = ["FLA_TILE", "Tile", "check_slot_pool", "current_tile", "parse_tile", 
 
 
 class Tile(NamedTuple):
-    """How :func:`recurrent_in_slots` cuts the work: ``bv`` values of the ``[K, V]`` state per program, Triton's
-    ``warps`` and ``stages``, and ``prenorm`` (the per-token l2norms of q and k in a kernel of their own, once per
-    key head, instead of in every program). A token's bits depend on the tile: server and trainer use one."""
+    """How :func:`recurrent_in_slots` cuts the work: ``bv`` values of the ``[K, V]`` state per program, and Triton's
+    ``warps`` and ``stages``. A token's bits depend on the tile: server and trainer use one."""
 
     bv: int
     warps: int
     stages: int
-    prenorm: bool = False
 
 
 FLA_TILE = Tile(8, 1, 3)  # fla-core's fused recurrent launch: all of K, 8 values of V, one warp: its bits
 
 
 def parse_tile(value: str) -> Tile:
-    """``fla`` or ``BVxWARPSxSTAGES[+norm]`` (the settings' ``gdn_tile``, already validated) as a :class:`Tile`."""
+    """``fla`` or ``BVxWARPSxSTAGES`` (the settings' ``gdn_tile``, already validated) as a :class:`Tile`."""
     if value in ("fla", "auto", "none"):
         return FLA_TILE
-    shape, _, norm = value.partition("+")
-    bv, warps, stages = (int(x) for x in shape.split("x"))
-    return Tile(bv, warps, stages, norm == "norm")
+    bv, warps, stages = (int(x) for x in value.split("x"))
+    return Tile(bv, warps, stages)
 
 
 def current_tile() -> Tile:
@@ -82,12 +81,51 @@ if triton is not None:
             return tl.exp(x.to(tl.float32))
 
     @triton.jit
-    def _step_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, fresh, table, table_stride, cu, scale,
+    def _step_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, fresh, cu, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr, GK: tl.constexpr,
-                       SPEC: tl.constexpr, QK_NORMED: tl.constexpr):
-        # SPEC: after token t the state goes into slot table[seq, t - first], then on through 0 + S, as a call
-        # that loaded it from there would. QK_NORMED: q and k arrive l2-normalised (q times scale) in fp32.
+                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr, GK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        n_vb = tl.cdiv(V, BVC)
+        vb, seq_head = pid % n_vb, pid // n_vb
+        seq, hv = seq_head // HV, seq_head % HV
+        hk = hv // (HV // H)
+        first = tl.load(cu + seq).to(tl.int64)
+        stop = tl.load(cu + seq + 1).to(tl.int64)
+        slot = tl.load(slots + seq).to(tl.int64)
+        ks = tl.arange(0, BK)
+        vs = vb * BVC + tl.arange(0, BVC)
+        k_ok, v_ok = ks < K, vs < V
+        tile_ok = k_ok[:, None] & v_ok[None, :]
+        state = pool + slot * slot_stride + hv * (K * V) + ks[:, None] * V + vs[None, :]
+        S0 = tl.load(state, mask=tile_ok, other=0).to(tl.float32)
+        if HAS_FRESH:
+            S0 = tl.where(tl.load(fresh + seq) != 0, 0.0, S0)
+        S = tl.zeros([BK, BVC], dtype=tl.float32)
+        S += S0
+        for t in tl.range(first, stop):
+            qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
+            vt = tl.load(v + (t * HV + hv) * V + vs, mask=v_ok, other=0).to(tl.float32)
+            qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            qt = qt * scale
+            bt = tl.load(beta + t * HV + hv).to(tl.float32)
+            if GK:  # a decay per key channel (Kimi Delta Attention): fla-core's gk
+                S *= fla_exp(tl.load(g + (t * HV + hv) * K + ks, mask=k_ok, other=0).to(tl.float32))[:, None]
+            else:
+                S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
+            vt = bt * (vt - tl.sum(S * kt[:, None], 0))
+            S += kt[:, None] * vt
+            ot = tl.sum(S * qt[:, None], 0)
+            tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
+        tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
+
+    @triton.jit
+    def _spec_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, table, table_stride, cu, scale,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BVC: tl.constexpr, GK: tl.constexpr):
+        # _step_in_slots's program and per-token arithmetic; after token t the state goes into slot
+        # table[seq, t - first], then on through 0 + S, as a call that loaded it from there would
         pid = tl.program_id(0).to(tl.int64)
         n_vb = tl.cdiv(V, BVC)
         vb, seq_head = pid % n_vb, pid // n_vb
@@ -101,22 +139,18 @@ if triton is not None:
         k_ok, v_ok = ks < K, vs < V
         tile_ok = k_ok[:, None] & v_ok[None, :]
         in_slot = hv * (K * V) + ks[:, None] * V + vs[None, :]
-        state = pool + slot * slot_stride + in_slot
-        S0 = tl.load(state, mask=tile_ok, other=0).to(tl.float32)
-        if HAS_FRESH:
-            S0 = tl.where(tl.load(fresh + seq) != 0, 0.0, S0)
+        S0 = tl.load(pool + slot * slot_stride + in_slot, mask=tile_ok, other=0).to(tl.float32)
         S = tl.zeros([BK, BVC], dtype=tl.float32)
         S += S0
         for t in tl.range(first, stop):
             qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
             kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
             vt = tl.load(v + (t * HV + hv) * V + vs, mask=v_ok, other=0).to(tl.float32)
-            if not QK_NORMED:
-                qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
-                kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
-                qt = qt * scale
+            qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            qt = qt * scale
             bt = tl.load(beta + t * HV + hv).to(tl.float32)
-            if GK:  # a decay per key channel (Kimi Delta Attention): fla-core's gk
+            if GK:
                 S *= fla_exp(tl.load(g + (t * HV + hv) * K + ks, mask=k_ok, other=0).to(tl.float32))[:, None]
             else:
                 S *= fla_exp(tl.load(g + t * HV + hv).to(tl.float32))
@@ -124,25 +158,9 @@ if triton is not None:
             S += kt[:, None] * vt
             ot = tl.sum(S * qt[:, None], 0)
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
-            if SPEC:
-                dst = tl.load(table + seq * table_stride + (t - first)).to(tl.int64)
-                tl.store(pool + dst * slot_stride + in_slot, S.to(pool.dtype.element_ty), mask=tile_ok)
-                S = tl.zeros([BK, BVC], dtype=tl.float32) + S
-        if not SPEC:
-            tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
-
-    @triton.jit
-    def _qk_normed(q, k, qn, kn, scale, K: tl.constexpr, BK: tl.constexpr):
-        # one program per (token, key head): the recurrence's per-token l2norm of q (times scale) and k, once
-        row = tl.program_id(0).to(tl.int64)
-        ks = tl.arange(0, BK)
-        ok = ks < K
-        qt = tl.load(q + row * K + ks, mask=ok, other=0).to(tl.float32)
-        kt = tl.load(k + row * K + ks, mask=ok, other=0).to(tl.float32)
-        qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6)
-        kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
-        tl.store(qn + row * K + ks, qt * scale, mask=ok)
-        tl.store(kn + row * K + ks, kt, mask=ok)
+            dst = tl.load(table + seq * table_stride + (t - first)).to(tl.int64)
+            tl.store(pool + dst * slot_stride + in_slot, S.to(pool.dtype.element_ty), mask=tile_ok)
+            S = tl.zeros([BK, BVC], dtype=tl.float32) + S
 
 
 def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
@@ -179,7 +197,9 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     state has the bits of running the tokens one at a time, each call from the slot the previous one wrote: the
     state stays in registers, then goes through ``0 + S`` as a call's load would (the same value, ``-0.0`` made
     ``+0.0``). A destination may be the source slot: each program reads its tile of the source once, before its
-    first token, and no two programs touch the same tile. The slots written must differ between sequences."""
+    first token, and no two programs touch the same tile. The slots written must differ between sequences.
+
+    ``tile``: how the work is cut (default :func:`current_tile`, ``VLLM_BI_GDN_TILE``); each tile has its own bits."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     check_slot_pool("recurrent_in_slots", q, pool, HV, K, V)
@@ -189,25 +209,17 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     if N == 0 or T == 0:
         return o
     tile = current_tile() if tile is None else tile
-    if tile.prenorm:  # the per-token l2norms once per key head, not once per value tile
-        qn, kn = torch.empty(q.shape, dtype=torch.float32, device=q.device), torch.empty(k.shape, dtype=torch.float32,
-                                                                                          device=k.device)
-        _qk_normed[(T * H,)](q, k, qn, kn, scale, K=K, BK=triton.next_power_of_2(K), num_warps=1)
-        q, k = qn, kn
+    grid = (triton.cdiv(V, tile.bv) * N * HV,)
     if spec_slots is not None:
         if spec_slots.dim() != 2 or spec_slots.shape[0] != N or fresh is not None:
             raise ValueError(f"recurrent_in_slots: spec_slots {tuple(spec_slots.shape)} must be [N, P] with N = {N}, "
                              "without fresh")
         table = spec_slots.contiguous()
-    else:
-        table = slots
-    _step_in_slots[(triton.cdiv(V, tile.bv) * N * HV,)](
-        q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, table,
-        table.stride(0), cu, scale, H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv,
-        HAS_FRESH=fresh is not None, GK=g.dim() == 3, SPEC=spec_slots is not None, QK_NORMED=tile.prenorm,
-        num_warps=tile.warps, num_stages=tile.stages)
-    return o
+        _spec_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, table, table.stride(0), cu, scale,
+                             H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv, GK=g.dim() == 3,
+                             num_warps=tile.warps, num_stages=tile.stages)
+        return o
     _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
-                         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=BV, HAS_FRESH=fresh is not None,
-                         GK=g.dim() == 3, num_warps=1, num_stages=3)
+                         H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv, HAS_FRESH=fresh is not None,
+                         GK=g.dim() == 3, num_warps=tile.warps, num_stages=tile.stages)
     return o
