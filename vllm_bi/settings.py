@@ -88,10 +88,9 @@ GDN_TILE_AUTO_CUDA = "fla"
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
 # gate's Kimi job). VLLM_BI_CUDA_PREVIEW runs the others, for measuring. speculative-one-token: with speculative
 # decoding, one-token prompts, whose requests vLLM's scheduler may pad into speculative rows that the GDN glue then
-# starts from zeroed slots (model_executor/gdn.new_spec_requests;
-# tests/gpu/test_speculative_cuda.py::test_one_token_prompts_beside_running_decodes).
+# starts from zeroed slots (model_executor/gdn.new_spec_requests; served on CPU, refused on CUDA without it).
 FEATURES = ("speculative", "kimi-linear", "speculative-one-token")
-CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear", "speculative-one-token")
+CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear")
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -141,9 +140,9 @@ SETTINGS = (
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
     _Spec("cuda_preview", "none", ("none", *FEATURES, "all"),
-          "run a CUDA feature that no GPU gate has shown exact yet, for measuring; CUDA already serves the gated ones "
-          "(speculative decoding, one-token prompts under it, Kimi Linear), so naming one of those changes nothing; "
-          "none refuses the previews by name"),
+          "run a CUDA feature that no GPU gate has shown exact yet (speculative-one-token: one-token prompts with "
+          "speculative decoding), for measuring; CUDA already serves the gated ones (speculative decoding, Kimi "
+          "Linear), so naming one of those changes nothing; none refuses the previews by name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )

@@ -676,7 +676,8 @@ def chunk_kda_state_shape(orig):
 #   ``1 + k`` rows (the token and ``k`` placeholder drafts, always rejected) when decodes run beside it, and the
 #   runner then counts it as a speculative row. Its slots still hold their previous owner's state and conv rows, so
 #   :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed: on CPU, and on CUDA as
-#   the ``speculative-one-token`` feature (``settings.CUDA_FEATURES``).
+#   the ``speculative-one-token`` feature, not GPU-checked yet; without it a speculative CUDA server refuses
+#   one-token prompts (``patch/sampling``).
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:

@@ -316,6 +316,13 @@ LEDGER: tuple[Patch, ...] = (
       "CPU generators have no offset: a seeded request whose prompt is chunked killed the engine",
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
       remove_when="vLLM's CPU generators support offsets"),
+    P("vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len", CUDA,
+      "with --speculative-config vLLM's scheduler pads a new one-token request into a speculative row, which starts "
+      "from its slots; the GDN glue zeroes them on CPU, on CUDA not yet GPU-checked",
+      "such a prompt is refused (400) when the server decodes speculatively, unless VLLM_BI_CUDA_PREVIEW names "
+      "speculative-one-token",
+      "vllm_bi.patch.sampling:wrap_validate_prompt_len", wraps=True,
+      remove_when="a GPU run shows one-token prompts equal alone and busy with speculation on"),
     P("vllm.v1.engine.input_processor:InputProcessor._validate_params", ALL,
       "with --speculative-config, penalties, min_tokens and bad words make a position's sample depend on the draft "
       "tokens before it", "such a request is refused (400) when the server decodes speculatively",
