@@ -9,9 +9,30 @@ import pytest
 
 pytest.importorskip("triton")
 
+RECURRENCE64 = """
+def recurrence64(q, k, v, g, beta, st, scale, first, stop):
+    # tokens first..stop-1 from the float64 state st [HV, K, V] (updated in place): outputs [T, HV, V], st
+    H, HV = q.shape[1], v.shape[1]
+    out = []
+    for t in range(first, stop):
+        o_t = []
+        for hv in range(HV):
+            h = hv // (HV // H)
+            qt, kt = q[t, h].double(), k[t, h].double()
+            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
+            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
+            st[hv] = st[hv] * torch.exp(g[t, hv].double())
+            vt = beta[t, hv].double() * (v[t, hv].double() - kt @ st[hv])
+            st[hv] = st[hv] + torch.outer(kt, vt)
+            o_t.append(qt @ st[hv])
+        out.append(torch.stack(o_t))
+    return torch.stack(out), st
+"""
+
 SCRIPT = """
 import torch
 from vllm_bi.gdn.slots import recurrent_in_slots
+""" + RECURRENCE64 + """
 
 torch.manual_seed(0)
 H, HV, K, V, S = 2, 4, 16, 16, 7
@@ -28,20 +49,7 @@ scale = K ** -0.5
 
 def reference(i):
     st = torch.zeros(HV, K, V, dtype=torch.float64) if fresh[i] else pool0[slots[i]].double()
-    out = []
-    for t in range(int(cu[i]), int(cu[i + 1])):
-        o_t = []
-        for hv in range(HV):
-            h = hv // (HV // H)
-            qt, kt = q[t, h].double(), k[t, h].double()
-            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
-            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
-            st[hv] = st[hv] * torch.exp(g[t, hv].double())
-            vt = beta[t, hv].double() * (v[t, hv].double() - kt @ st[hv])
-            st[hv] = st[hv] + torch.outer(kt, vt)
-            o_t.append(qt @ st[hv])
-        out.append(torch.stack(o_t))
-    return torch.stack(out), st
+    return recurrence64(q, k, v, g, beta, st, scale, int(cu[i]), int(cu[i + 1]))
 
 
 def rel(a, b):
@@ -213,7 +221,8 @@ def test_server_glue_updates_slots_in_place_in_interpreter(interpreted):
 TILES = """
 import os
 import torch
-from vllm_bi.gdn.slots import FLA_TILE, Tile, recurrent_in_slots
+from vllm_bi.gdn.slots import Tile, recurrent_in_slots
+""" + RECURRENCE64 + """
 
 torch.manual_seed(2)
 H, HV, K, V = 2, 4, 16, 32
@@ -232,24 +241,7 @@ def run(lo, hi, pool, tile, spec=None):
                               torch.tensor([0, hi - lo]), scale, spec_slots=spec, tile=tile)
 
 
-def reference():
-    st, out = pool0[3].double(), []
-    for t in range(L):
-        o_t = []
-        for hv in range(HV):
-            h = hv // (HV // H)
-            qt, kt = q[t, h].double(), k[t, h].double()
-            qt = qt / torch.sqrt((qt * qt).sum() + 1e-6) * scale
-            kt = kt / torch.sqrt((kt * kt).sum() + 1e-6)
-            st[hv] = st[hv] * torch.exp(g[t, hv].double())
-            vt = beta[t, hv].double() * (v[t, hv].double() - kt @ st[hv])
-            st[hv] = st[hv] + torch.outer(kt, vt)
-            o_t.append(qt @ st[hv])
-        out.append(torch.stack(o_t))
-    return torch.stack(out), st
-
-
-o_ref, st_ref = reference()
+o_ref, st_ref = recurrence64(q, k, v, g, beta, pool0[3].double(), scale, 0, L)
 for tile in (Tile(16, 2, 2), Tile(32, 4, 1)):
     whole_pool = pool0.clone()
     whole = run(0, L, whole_pool, tile)
