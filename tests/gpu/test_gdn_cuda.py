@@ -86,7 +86,7 @@ def test_matches_float64_reference_and_gradients():
     assert rel <= 3e-2, f"d/dstate: relative error {rel:.3e}"
 
 
-@pytest.mark.parametrize("tile", ["fla", "32x2x3"])
+@pytest.mark.parametrize("tile", ["fla", "32x2x3", "16x1x3"])
 def test_recurrent_in_slots_equals_fla_core(tile, monkeypatch):
     """The server's in-place recurrent step (``gdn_slots.recurrent_in_slots``: states read from and written to
     their cache slots) == the trainer's forward (``gdn_recurrent_varlen``), bit for bit: the outputs and the states
