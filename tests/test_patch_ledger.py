@@ -76,7 +76,13 @@ def test_rows_follow_the_settings(monkeypatch):
     # speculative decoding's verification row: on CUDA with its feature (a CUDA feature by default)
     spec_rows = {p.target for p in LEDGER if p.when == "speculative decoding on CUDA"}
     assert {t.split(":")[1] for t in spec_rows} == {"RejectionSampler.__call__"} and spec_rows <= cuda_base
-    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_kimi
+    # one-token prompts under speculation on CUDA: Model Runner V2's row count, only with that preview
+    one_token = {p.target for p in LEDGER if p.when == "one-token prompts under speculation on CUDA"}
+    assert {t.split(":")[1] for t in one_token} == {"MambaHybridModelState.prepare_attn"}
+    assert not one_token & cuda_base
+    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="speculative-one-token"))} == (cuda_no_kimi
+                                                                                                     | one_token)
+    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_kimi | one_token
     own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     theirs = [p for p in active_rows("cuda", Settings(cuda_ops="vllm")) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     assert [p.new for p in own] == ["vllm_bi.patch.cpu_layers:gemma_rms_forward"]

@@ -97,3 +97,43 @@ def test_cuda_zeroes_new_rows_only_with_its_preview(monkeypatch):
     assert not G._zero_new_spec_rows(torch.device("cuda"))
     monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative-one-token")  # the suite's monkeypatch re-reads settings
     assert G._zero_new_spec_rows(torch.device("cuda"))
+
+
+def test_model_runner_v2_counts_a_padded_new_request_a_speculative_row_under_the_feature():
+    """Model Runner V2 (CUDA) runs a new one-token request that the scheduler padded with ``k`` placeholder drafts as
+    a ``1 + k``-token prefill; under the ``speculative-one-token`` feature ``wrap_mamba_prepare_attn`` makes that row a
+    decode (``prefill_runs_as_decode_np``), as V1 counts it, so the glue's zeroing and verify take it. Only that row:
+    not a decode with drafts, not a new prompt of several tokens, not a prompt tail V2 already runs as a decode; a
+    batch without such a row goes through unchanged (control). The fields read are V2's ``InputBatch``'s."""
+    import dataclasses
+
+    import numpy as np
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+    @dataclasses.dataclass
+    class Batch:
+        num_reqs: int
+        num_draft_tokens_per_req: np.ndarray | None
+        has_prefill: bool
+        is_prefilling_np: np.ndarray
+        num_computed_prefill_tokens_np: np.ndarray
+        num_scheduled_tokens: np.ndarray
+        prefill_runs_as_decode_np: np.ndarray | None = None
+
+    assert {f.name for f in dataclasses.fields(Batch)} <= {f.name for f in dataclasses.fields(InputBatch)}
+    # a decode with drafts, the padded new request, a new 4-token prompt, a prompt tail padded with drafts
+    batch = Batch(4, np.array([3, 3, 0, 3]), True, np.array([False, True, True, True]), np.array([9, 0, 0, 5]),
+                  np.array([4, 4, 4, 4]), np.array([False, False, False, True]))
+    assert G.padded_new_requests(batch).tolist() == [False, True, False, False]
+    seen = []
+    prepare = G.wrap_mamba_prepare_attn(lambda self, b, *a, **k: seen.append((b, a, k)) or "meta")
+    assert prepare(None, batch, "mode", x=1) == "meta"
+    assert seen[-1][0].prefill_runs_as_decode_np.tolist() == [False, True, False, True]
+    assert seen[-1][1:] == (("mode",), {"x": 1}) and batch.prefill_runs_as_decode_np.tolist() == [False, False, False, True]
+    plain = dataclasses.replace(batch, is_prefilling_np=np.array([False, False, True, True]),
+                                num_computed_prefill_tokens_np=np.array([9, 9, 0, 5]))
+    assert G.padded_new_requests(plain) is None
+    prepare(None, plain)
+    assert seen[-1][0] is plain
+    no_drafts = dataclasses.replace(batch, num_draft_tokens_per_req=None)
+    assert G.padded_new_requests(no_drafts) is None

@@ -21,7 +21,8 @@ from vllm_bi.gdn.layer import RingRows, gdn_varlen
 from vllm_bi.ops.device import host_to, index_on, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
-           "chunk_kda_state_shape", "spec_step", "verify_rows", "is_kda", "bi_kda_forward"]
+           "chunk_kda_state_shape", "spec_step", "verify_rows", "is_kda", "bi_kda_forward",
+           "padded_new_requests", "wrap_mamba_prepare_attn"]
 
 try:
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend as _GDNBase
@@ -676,8 +677,10 @@ def chunk_kda_state_shape(orig):
 #   ``1 + k`` rows (the token and ``k`` placeholder drafts, always rejected) when decodes run beside it, and the
 #   runner then counts it as a speculative row. Its slots still hold their previous owner's state and conv rows, so
 #   :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed: on CPU, and on CUDA as
-#   the ``speculative-one-token`` feature, not GPU-checked yet; without it a speculative CUDA server refuses
-#   one-token prompts (``patch/sampling``).
+#   the ``speculative-one-token`` feature; without it a speculative CUDA server refuses one-token prompts
+#   (``patch/sampling``). Model Runner V2 (CUDA) counts such a row a ``1 + k``-token prefill, whose stored state then
+#   includes the placeholders; under the feature :func:`wrap_mamba_prepare_attn` makes it a speculative row, as V1
+#   (CPU) does. Not GPU-checked yet.
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
@@ -742,6 +745,45 @@ def new_spec_requests(md, n: int) -> list[int]:
         mask = md.spec_sequence_masks
         computed = computed[: mask.shape[0]][mask[: computed.shape[0]]]
     return (computed[:n] == 0).nonzero().flatten().tolist()
+
+
+def padded_new_requests(input_batch):
+    """Model Runner V2: the rows of ``input_batch`` that are a new request with one prompt token which vLLM's
+    scheduler padded with ``k`` placeholder drafts (``-1``), as a boolean ``[num_reqs]`` array, or None if none.
+
+    V1 counts such a row as a speculative row (``num_scheduled == drafts + 1``), and so does V2 for a prompt tail
+    over existing context (``prefill_runs_as_decode_np``), but V2 leaves a row with no computed prompt token a
+    prefill: the GDN metadata then runs its ``1 + k`` rows as one prefill and stores the state and conv window
+    after the last placeholder, which the request's next step (``m = 1``) starts from."""
+    drafts = input_batch.num_draft_tokens_per_req
+    if drafts is None or not input_batch.has_prefill:
+        return None
+    n = input_batch.num_reqs
+    drafts = drafts[:n]
+    padded = (input_batch.is_prefilling_np[:n] & (input_batch.num_computed_prefill_tokens_np[:n] == 0)
+              & (drafts > 0) & (input_batch.num_scheduled_tokens[:n] - drafts == 1))
+    return padded if padded.any() else None
+
+
+def wrap_mamba_prepare_attn(orig):
+    """``MambaHybridModelState.prepare_attn`` (V2) counting the rows of :func:`padded_new_requests` as decodes
+    (``prefill_runs_as_decode_np``), as V1 does: they become speculative rows with ``num_accepted_tokens = 1``
+    and no computed token, which :func:`new_spec_requests` finds and :func:`_clear_new_requests` zeroes, and the
+    verify keeps the state after each row in its own slot. Installed with the ``speculative-one-token`` CUDA feature
+    only (the ledger; without it such a prompt is refused)."""
+    import dataclasses
+    import functools
+
+    @functools.wraps(orig)
+    def prepare_attn(self, input_batch, *args, **kwargs):
+        padded = padded_new_requests(input_batch)
+        if padded is not None:
+            before = input_batch.prefill_runs_as_decode_np
+            runs_as_decode = padded if before is None else (before[: padded.shape[0]] | padded)
+            input_batch = dataclasses.replace(input_batch, prefill_runs_as_decode_np=runs_as_decode)
+        return orig(self, input_batch, *args, **kwargs)
+
+    return prepare_attn
 
 
 def _clear_new_requests(new: list[int], slots: torch.Tensor, accepted: torch.Tensor, conv_cache: torch.Tensor,

@@ -33,6 +33,7 @@ GUARD = "non-finite guard on"   # VLLM_BI_NONFINITE_GUARD (default on)
 TUNE = "Triton GEMM, tuned tiles"  # VLLM_BI_GEMM_CONFIGS=tune with the Triton GEMM (CUDA)
 SPEC_CUDA = "speculative decoding on CUDA"  # VLLM_BI_CUDA_PREVIEW=speculative until a GPU gate covers it
 KIMI = "Kimi Linear on the device"  # CPU always; CUDA with Settings.cuda_feature("kimi-linear")
+ONE_TOKEN_CUDA = "one-token prompts under speculation on CUDA"  # Settings.cuda_feature("speculative-one-token")
 API_SERVER = "API server process"  # the process that imported vLLM's API server (not the engine, not the workers)
 _API_ENTRY = "vllm.entrypoints.launchers.api_server.entry"
 
@@ -323,6 +324,12 @@ LEDGER: tuple[Patch, ...] = (
       "speculative-one-token",
       "vllm_bi.patch.sampling:wrap_validate_prompt_len", wraps=True,
       remove_when="a GPU run shows one-token prompts equal alone and busy with speculation on"),
+    P("vllm.v1.worker.gpu.model_states.mamba_hybrid:MambaHybridModelState.prepare_attn", CUDA,
+      "Model Runner V2 runs a new one-token request padded with placeholder drafts as a 1 + k token prefill: the "
+      "GDN state and conv window it leaves include the placeholders, and the request's next step starts from them",
+      "such a row counts as a decode (prefill_runs_as_decode), so a speculative row, as V1 counts it; the GDN "
+      "glue zeroes its slots", "vllm_bi.model_executor.gdn:wrap_mamba_prepare_attn", wraps=True, when=ONE_TOKEN_CUDA,
+      remove_when="vLLM's V2 counts a padded new one-token request as a speculative row"),
     P("vllm.v1.engine.input_processor:InputProcessor._validate_params", ALL,
       "with --speculative-config, penalties, min_tokens and bad words make a position's sample depend on the draft "
       "tokens before it", "such a request is refused (400) when the server decodes speculatively",
@@ -362,7 +369,8 @@ def active_rows(device: str, settings=None) -> list[Patch]:
             CHUNK_MODE: settings.gdn_mode == "chunk",
             KIMI: device == "cpu" or settings.cuda_feature("kimi-linear"),
             GUARD: settings.nonfinite_guard, API_SERVER: _API_ENTRY in sys.modules, TUNE: settings.tunes_gemm(device),
-            SPEC_CUDA: settings.cuda_feature("speculative")}
+            SPEC_CUDA: settings.cuda_feature("speculative"),
+            ONE_TOKEN_CUDA: settings.cuda_feature("speculative-one-token")}
     return [p for p in LEDGER if p.platform in (ALL, device) and cond[p.when]]
 
 
