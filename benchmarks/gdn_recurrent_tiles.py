@@ -1,7 +1,7 @@
 """Benchmark: the recurrent GDN kernel's tiles (``VLLM_BI_GDN_TILE``) at Qwen3.5-9B's GDN dimensions.
 
     python benchmarks/gdn_recurrent_tiles.py [--tiles fla,32x2x3,...] [--out tiles.md]
-    python benchmarks/gdn_recurrent_tiles.py --device cpu --small     # logic only (TRITON_INTERPRET=1), no timing
+    TRITON_INTERPRET=1 python benchmarks/gdn_recurrent_tiles.py --device cpu --small   # logic only, small dims
 
 The recurrent mode walks every token of a prompt through the state, so its prefill costs 3-20x fla-core's chunked
 kernels per layer (``docs/performance.md``). :func:`vllm_bi.gdn.slots.recurrent_in_slots` runs fla-core's launch
@@ -27,9 +27,11 @@ import torch
 
 from common import emit, ms_cell, ratio_cell, timed
 
-H, HV, K, V = 16, 32, 128, 128  # Qwen3.5-9B: 16 key heads, 32 value heads, head dim 128
+DIMS = {"H": 16, "HV": 32, "K": 128, "V": 128}  # Qwen3.5-9B: 16 key heads, 32 value heads, head dim 128
+SMALL_DIMS = {"H": 1, "HV": 2, "K": 16, "V": 16}  # --small: the logic in seconds through the interpreter
 
-DEFAULT_TILES = "fla,8x1x1,8x2x3,16x1x3,16x2x3,32x1x3,32x2x3,32x4x3,64x2x3,64x4x3,128x4x2,128x8x2"
+DEFAULT_TILES = "fla,16x1x1,16x1x2,16x1x3,16x1x4,16x2x2,32x1x2,32x1x3,8x1x3,64x4x3"
+H = HV = K = V = 0  # set by main from DIMS or SMALL_DIMS
 
 
 def _inputs(lens, dev, seed=0, fresh=True):
@@ -118,6 +120,7 @@ def main(argv=None) -> int:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("--device cpu needs TRITON_INTERPRET=1 (the kernels run in Triton's interpreter)")
     dev = args.device
+    globals().update(SMALL_DIMS if args.small else DIMS)
     tiles = {n: parse_tile(n) for n in names}
     rows = [[name, *(_consistency(t, dev, 24 if args.small else 200))] for name, t in tiles.items()]
     lines = ["| tile | whole = split = steps = speculative | bits = fla |", "| --- | --- | --- |"]
