@@ -10,6 +10,15 @@ import pytest
 pytest.importorskip("triton")
 
 RECURRENCE64 = """
+def inputs(T, H, HV, K, V, S):
+    # q, k [T, H, K] and v [T, HV, V] bf16, log decay and beta [T, HV], a pool of S fp32 states [HV, K, V]
+    q, k = torch.randn(T, H, K).bfloat16(), torch.randn(T, H, K).bfloat16()
+    v = torch.randn(T, HV, V).bfloat16()
+    g = -torch.rand(T, HV) * 0.5
+    beta = torch.rand(T, HV)
+    return q, k, v, g, beta, torch.randn(S, HV, K, V) * 0.3
+
+
 def recurrence64(q, k, v, g, beta, st, scale, first, stop):
     # tokens first..stop-1 from the float64 state st [HV, K, V] (updated in place): outputs [T, HV, V], st
     H, HV = q.shape[1], v.shape[1]
@@ -39,11 +48,7 @@ H, HV, K, V, S = 2, 4, 16, 16, 7
 lens, slots, fresh = [3, 1, 7, 2], [4, 1, 5, 2], [0, 0, 1, 0]
 T = sum(lens)
 cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-q, k = torch.randn(T, H, K).bfloat16(), torch.randn(T, H, K).bfloat16()
-v = torch.randn(T, HV, V).bfloat16()
-g = -torch.rand(T, HV) * 0.5
-beta = torch.rand(T, HV)
-pool0 = torch.randn(S, HV, K, V) * 0.3
+q, k, v, g, beta, pool0 = inputs(T, H, HV, K, V, S)
 scale = K ** -0.5
 
 
@@ -227,11 +232,7 @@ from vllm_bi.gdn.slots import Tile, recurrent_in_slots
 torch.manual_seed(2)
 H, HV, K, V = 2, 4, 16, 32
 L, S = 9, 24
-q, k = torch.randn(L, H, K).bfloat16(), torch.randn(L, H, K).bfloat16()
-v = torch.randn(L, HV, V).bfloat16()
-g = -torch.rand(L, HV) * 0.5
-beta = torch.rand(L, HV)
-pool0 = torch.randn(S, HV, K, V) * 0.3
+q, k, v, g, beta, pool0 = inputs(L, H, HV, K, V, S)
 scale = K ** -0.5
 slot = torch.tensor([3])
 
