@@ -46,8 +46,9 @@ def test_every_row_names_a_vllm_symbol_and_a_replacement():
 
 def test_rows_follow_the_settings(monkeypatch):
     """The settings decide which rows apply: the chunk GDN mode adds its rows (GDN's and KDA's state shapes; CUDA
-    serves KDA in the recurrent mode only), the kimi-linear CUDA feature adds Kimi Linear's rows on CUDA, vLLM's own CUDA kernels swap the op-library rows for the norm fixes, the guard's rows go with the
-    guard."""
+    serves KDA in the recurrent mode only), the kimi-linear CUDA feature adds Kimi Linear's rows on CUDA and the
+    speculative-one-token one Model Runner V2's row count, vLLM's own CUDA kernels swap the op-library rows for the
+    norm fixes, the guard's rows go with the guard."""
     base = {p.target for p in active_rows("cpu", Settings())}
     chunk = {p.target for p in active_rows("cpu", Settings(gdn_mode="chunk"))}
     assert {t.split(":")[1] for t in chunk - base} == {"MambaStateShapeCalculator.gated_delta_net_state_shape",
@@ -76,13 +77,20 @@ def test_rows_follow_the_settings(monkeypatch):
     # speculative decoding's verification row: on CUDA with its feature (a CUDA feature by default)
     spec_rows = {p.target for p in LEDGER if p.when == "speculative decoding on CUDA"}
     assert {t.split(":")[1] for t in spec_rows} == {"RejectionSampler.__call__"} and spec_rows <= cuda_base
-    # one-token prompts under speculation on CUDA: Model Runner V2's row count, only with that preview
+    # one-token prompts under speculation on CUDA: Model Runner V2's row count, on CUDA with the speculative-one-token
+    # feature (a gated CUDA feature: installed with no preview set), never on CPU; without the feature only with
+    # VLLM_BI_CUDA_PREVIEW=speculative-one-token (or all)
     one_token = {p.target for p in LEDGER if p.when == "one-token prompts under speculation on CUDA"}
     assert {t.split(":")[1] for t in one_token} == {"MambaHybridModelState.prepare_attn"}
-    assert not one_token & cuda_base
-    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="speculative-one-token"))} == (cuda_no_kimi
-                                                                                                     | one_token)
-    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_kimi | one_token
+    assert "speculative-one-token" in settings.CUDA_FEATURES
+    assert one_token <= cuda_base and one_token <= cuda_no_kimi and not one_token & base
+    monkeypatch.delenv("VLLM_BI_CUDA_PREVIEW", raising=False)  # the suite's monkeypatch re-reads settings
+    assert one_token <= {p.target for p in active_rows("cuda")}
+    monkeypatch.cuda_feature_off("speculative-one-token")
+    cuda_neither = {p.target for p in active_rows("cuda", Settings())}
+    assert cuda_no_kimi - cuda_neither == one_token and not cuda_neither - cuda_no_kimi
+    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="speculative-one-token"))} == cuda_no_kimi
+    assert {p.target for p in active_rows("cuda", Settings(cuda_preview="all"))} == cuda_base
     own = [p for p in active_rows("cuda", Settings()) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     theirs = [p for p in active_rows("cuda", Settings(cuda_ops="vllm")) if p.target.endswith("GemmaRMSNorm.forward_cuda")]
     assert [p.new for p in own] == ["vllm_bi.patch.cpu_layers:gemma_rms_forward"]

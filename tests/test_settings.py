@@ -107,6 +107,9 @@ def test_auto_is_fast_on_cuda_and_portable_on_cpu():
     assert d.decode_graphs() == (True, "")
     portable = S.Settings.from_env({"VLLM_BI_PRESET": "portable"})
     assert portable.arithmetic("cuda")["gemm"] == "fp64" and portable.decode_graphs() == (False, "")
+    # the recurrent GDN kernel: the default tile on CUDA, fla-core's launch under portable, no tile on CPU
+    assert cuda["gdn_tile"] == S.GDN_TILE_AUTO_CUDA and portable.arithmetic("cuda")["gdn_tile"] == "fla"
+    assert cpu["gdn_tile"] == "none"
     assert portable.arithmetic("cpu") == cpu
     assert S.diff(cuda, portable.arithmetic("cuda"))[0] == ("gemm", "triton", "fp64")
     assert "VLLM_BI_PRESET=portable" in S.describe_diff(cuda, portable.arithmetic("cuda"))

@@ -89,13 +89,22 @@ def test_new_spec_requests_reads_the_speculative_requests_of_a_mixed_step():
     assert G.new_spec_requests(alone, 2) == [0]
 
 
-def test_cuda_zeroes_new_rows_only_with_its_preview(monkeypatch):
-    """CPU always; CUDA only where ``speculative-one-token`` is on (a preview until a GPU run shows it exact; a
-    speculative CUDA server refuses one-token prompts without it, ``tests/test_spec_verify.py``)."""
-    monkeypatch.delenv("VLLM_BI_CUDA_PREVIEW", raising=False)
+def test_cuda_zeroes_new_rows_with_its_feature(monkeypatch):
+    """CPU always; CUDA where ``speculative-one-token`` is on: by default (a gated CUDA feature, in
+    ``settings.CUDA_FEATURES``), and where it is not only with ``VLLM_BI_CUDA_PREVIEW`` naming it (the negative
+    control: taken out of ``CUDA_FEATURES``, CUDA does not zero; another feature's preview does not either)."""
+    from vllm_bi import settings
+
+    assert "speculative-one-token" in settings.CUDA_FEATURES
+    monkeypatch.delenv("VLLM_BI_CUDA_PREVIEW", raising=False)  # the suite's monkeypatch re-reads settings
+    assert G._zero_new_spec_rows(torch.device("cpu"))
+    assert G._zero_new_spec_rows(torch.device("cuda"))
+    monkeypatch.cuda_feature_off("speculative-one-token")
     assert G._zero_new_spec_rows(torch.device("cpu"))
     assert not G._zero_new_spec_rows(torch.device("cuda"))
-    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative-one-token")  # the suite's monkeypatch re-reads settings
+    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative")
+    assert not G._zero_new_spec_rows(torch.device("cuda"))
+    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative-one-token")
     assert G._zero_new_spec_rows(torch.device("cuda"))
 
 

@@ -237,39 +237,3 @@ def test_speculative_decoding_on_cuda_refuses_what_it_cannot_verify(cuda_env, en
         cuda_env.setenv(name, value)
     with pytest.raises(BatchInvarianceConfigError, match=message):
         _check_speculative(_args(**spec), CUDA)
-
-
-def test_one_token_prompt_refused_while_speculating(monkeypatch):
-    """A speculative CUDA server refuses a one-token prompt with a 400 naming the fix (the GDN glue's zeroing of a new
-    request's slots in a speculative row is checked on CPU only; the ledger installs this on CUDA); two tokens
-    pass, and so does one token on a server without drafts (control: the check follows the speculative config);
-    vLLM's own check still runs first. With the ``speculative-one-token`` preview the prompt passes."""
-    from types import SimpleNamespace
-
-    from vllm.exceptions import VLLMValidationError
-
-    from vllm_bi.patch.sampling import wrap_validate_prompt_len
-
-    seen = []
-
-    def orig(self, prompt_len, prompt_type):
-        seen.append((prompt_len, prompt_type))
-        if prompt_len == 0:
-            raise VLLMValidationError("The decoder prompt cannot be empty")
-
-    check = wrap_validate_prompt_len(orig)
-    spec, plain = SimpleNamespace(speculative_config=object()), SimpleNamespace(speculative_config=None)
-    with pytest.raises(VLLMValidationError, match="one-token prompt .* two or more tokens, or serve without "
-                                                  "--speculative-config"):
-        check(spec, 1, "decoder")
-    check(spec, 2, "decoder")
-    check(spec, 1, "encoder")
-    check(plain, 1, "decoder")
-    with pytest.raises(VLLMValidationError, match="cannot be empty"):
-        check(spec, 0, "decoder")
-    assert seen == [(1, "decoder"), (2, "decoder"), (1, "encoder"), (1, "decoder"), (0, "decoder")]
-    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative-one-token")  # the suite's monkeypatch re-reads settings
-    check(spec, 1, "decoder")
-    monkeypatch.setenv("VLLM_BI_CUDA_PREVIEW", "speculative")  # another feature's preview does not
-    with pytest.raises(VLLMValidationError, match="VLLM_BI_CUDA_PREVIEW=speculative-one-token"):
-        check(spec, 1, "decoder")

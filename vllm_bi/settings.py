@@ -80,17 +80,21 @@ DIGEST_AUTO_CUDA = "triton"
 CANONICAL_ROWS_CUDA = True
 # How the recurrent mode's CUDA kernel (vllm_bi.gdn.slots.recurrent_in_slots) cuts the state under
 # VLLM_BI_GDN_TILE=auto: "fla" is fla-core's fused recurrent launch (its bits; a trainer may run fla-core's kernel),
-# another value a tile of vllm_bi's own (gdn.slots.parse_tile; the trainer then runs vllm_bi's kernel too). A change
-# here changes CUDA's bits, as DEFAULT_PRESET does.
-GDN_TILE_AUTO_CUDA = "fla"
+# another value a tile of vllm_bi's own (gdn.slots.parse_tile; the trainer then runs vllm_bi's kernel too). 16x1x3
+# (16 values of the state per program, one warp, three stages) took 0.43-0.78x fla's prefill time and 0.89x its
+# decode time at Qwen3.5-9B's GDN dims (benchmarks/gdn_recurrent_tiles.py). A change here changes CUDA's bits, as
+# DEFAULT_PRESET does; the portable preset keeps fla's.
+GDN_TILE_AUTO_CUDA = "16x1x3"
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
-# gate's Kimi job). VLLM_BI_CUDA_PREVIEW runs the others, for measuring. speculative-one-token: with speculative
-# decoding, one-token prompts, whose requests vLLM's scheduler may pad into speculative rows that the GDN glue then
-# starts from zeroed slots (model_executor/gdn.new_spec_requests; served on CPU, refused on CUDA without it).
+# gate's Kimi job; speculative-one-token: the one-token test of tests/gpu/test_speculative_cuda.py).
+# VLLM_BI_CUDA_PREVIEW runs the others, for measuring. speculative-one-token: with speculative decoding, one-token
+# prompts, whose requests vLLM's scheduler may pad into speculative rows that the GDN glue then starts from zeroed
+# slots (model_executor/gdn.new_spec_requests and, in Model Runner V2, gdn.wrap_mamba_prepare_attn); served on CPU
+# always and on CUDA while it is listed here.
 FEATURES = ("speculative", "kimi-linear", "speculative-one-token")
-CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear")
+CUDA_FEATURES: tuple[str, ...] = ("speculative", "kimi-linear", "speculative-one-token")
 
 SETTINGS = (
     _Spec("preset", DEFAULT_PRESET, ("auto", "portable", "fast"),
@@ -140,16 +144,17 @@ SETTINGS = (
     _Spec("allow_unverified_device", False, (True, False), "serve on a platform never verified (ROCm, XPU)"),
     _Spec("allow_unverified_tp", False, (True, False), "tensor parallelism on CUDA where it was never measured"),
     _Spec("cuda_preview", "none", ("none", *FEATURES, "all"),
-          "run a CUDA feature that no GPU gate has shown exact yet (speculative-one-token: one-token prompts with "
-          "speculative decoding), for measuring; CUDA already serves the gated ones (speculative decoding, Kimi "
-          "Linear), so naming one of those changes nothing; none refuses the previews by name"),
+          "run a CUDA feature that no GPU gate has shown exact yet (one of vllm_bi.settings.FEATURES not in "
+          "CUDA_FEATURES), for measuring; CUDA already serves the gated ones (speculative decoding, Kimi Linear, "
+          "one-token prompts with speculative decoding), so naming one of those changes nothing; none refuses the "
+          "previews by name"),
     _Spec("cache_dir", "", None, "where vllm_bi keeps what it makes once per machine (tuned GEMM tile tables in "
           "gemm_tiles/); unset: $XDG_CACHE_HOME/vllm_bi, else ~/.cache/vllm_bi"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
     "auto": {},
-    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch"},
+    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch", "gdn_tile": "fla"},
     "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each

@@ -5,9 +5,9 @@ The criterion: a request's tokens and logprobs with speculation on equal those w
 greedy or seeded at temperature 1, alone or in a busy batch, and equal the trainer's recompute on the GPU. Both BI
 servers run Model Runner V2, whose sampler keys its noise by (seed, position). The model is the tiny Qwen3.5 with one
 random MTP layer and an LM head narrowed to two tokens (``tiny_models.add_mtp_layer``), so drafts are kept in runs of
-different lengths. One-token prompts beside running decodes are checked with the ``speculative-one-token`` preview
-(two more servers). Negative control (last, and the slowest: two stock starts): stock vLLM with and without the same
-drafter serves other logprob bits.
+different lengths. One-token prompts beside running decodes are checked too (the ``speculative-one-token`` CUDA
+feature; one more server). Negative control (last, and the slowest: two stock starts): stock vLLM with and without
+the same drafter serves other logprob bits.
 
 On the device, in two calls (the BI tests took 120 s on an H100, the stock control needs about 450 s):
 `VLLM_BI_PYTEST_TIMEOUT=400 bash scripts/gpu_run.sh pytest tests/gpu/test_speculative_cuda.py -k "not stock" ;`, then
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.server]
 
 require_cuda_vllm_fla()
 
-from speculation import ONE_TOKEN, PROMPTS, SPEC, greedy, one_token_prompts, plain_run, speculative_run  # noqa: E402
+from speculation import PROMPTS, SPEC, greedy, one_token_prompts, plain_run, speculative_run  # noqa: E402
 
 from vllm_bi.launcher import VllmServer, cpu_env  # noqa: E402
 
@@ -88,20 +88,15 @@ def test_trainer_on_the_gpu_equals_the_speculative_server(served, mtp_model):
 
 def test_one_token_prompts_beside_running_decodes(mtp_model):
     """One-token prompts beside running decodes (padded by vLLM's scheduler into speculative rows whose slots held
-    earlier requests' states, zeroed by the glue) equal the same prompts alone and the trainer on the GPU. While
-    ``speculative-one-token`` is a preview (not in ``settings.CUDA_FEATURES``) the server runs them only under
-    ``VLLM_BI_CUDA_PREVIEW`` and refuses them without it (the control of the refusal)."""
+    earlier requests' states, zeroed by the glue) equal the same prompts alone and the trainer on the GPU. This is
+    the GPU check of the ``speculative-one-token`` CUDA feature (in ``settings.CUDA_FEATURES``): the server serves
+    such prompts by default, with no ``VLLM_BI_CUDA_PREVIEW`` set."""
     from vllm_bi import settings
-    from vllm_bi.client import ServerError
     from vllm_bi.models import from_pretrained
     from vllm_bi.parity import trainer_logprobs
 
-    env = cpu_env(True, DEV_MODE)
-    if "speculative-one-token" not in settings.CUDA_FEATURES:
-        with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
-            with pytest.raises(ServerError, match="VLLM_BI_CUDA_PREVIEW=speculative-one-token"):
-                srv.complete(prompt_ids=ONE_TOKEN[0], max_tokens=4)
-        env = cpu_env(True, {**DEV_MODE, "VLLM_BI_CUDA_PREVIEW": "speculative-one-token"})
+    assert "speculative-one-token" in settings.CUDA_FEATURES
+    env = {k: v for k, v in cpu_env(True, DEV_MODE).items() if k != "VLLM_BI_CUDA_PREVIEW"}
     with VllmServer(mtp_model, env=env, args=ARGS + SPEC) as srv:
         greedy(srv, PROMPTS)  # earlier requests leave their states in the slots
         among, alone = one_token_prompts(srv)

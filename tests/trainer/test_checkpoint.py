@@ -245,6 +245,8 @@ def test_a_cuda_run_from_before_the_tile_setting_resumed_under_another_tile_is_r
         check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_TILE": "32x2x3"}).arithmetic("cuda"))
     msg = str(e.value)
     assert "\n" not in msg and "VLLM_BI_GDN_TILE" in msg and "'fla'" in msg and "--resume false" in msg
+    with pytest.raises(TrainerError, match="VLLM_BI_GDN_TILE"):  # CUDA's default tile is one of vllm_bi's own
+        check_resume_settings(str(tmp_path), old, Settings.from_env({}).arithmetic("cuda"))
     check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_TILE": "fla"}).arithmetic("cuda"))
     cpu_old = Settings.from_env({}).arithmetic("cpu")
     del cpu_old["gdn_tile"]

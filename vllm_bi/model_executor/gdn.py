@@ -676,11 +676,11 @@ def chunk_kda_state_shape(orig):
 # - **New requests among the speculative rows.** vLLM's scheduler pads a new request with one token to compute into
 #   ``1 + k`` rows (the token and ``k`` placeholder drafts, always rejected) when decodes run beside it, and the
 #   runner then counts it as a speculative row. Its slots still hold their previous owner's state and conv rows, so
-#   :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed: on CPU, and on CUDA as
-#   the ``speculative-one-token`` feature; without it a speculative CUDA server refuses one-token prompts
-#   (``patch/sampling``). Model Runner V2 (CUDA) counts such a row a ``1 + k``-token prefill, whose stored state then
-#   includes the placeholders; under the feature :func:`wrap_mamba_prepare_attn` makes it a speculative row, as V1
-#   (CPU) does. Not GPU-checked yet.
+#   :func:`_clear_new_requests` zeroes them before the verify, as a new prefill's are zeroed: on CPU always, and on
+#   CUDA under the ``speculative-one-token`` feature, on by default (``settings.CUDA_FEATURES``; the one-token test
+#   of ``tests/gpu/test_speculative_cuda.py`` checks it). Model Runner V2 (CUDA) counts such a row a ``1 + k``-token
+#   prefill, whose stored state then includes the placeholders; under the feature :func:`wrap_mamba_prepare_attn`
+#   makes it a speculative row, as V1 (CPU) does.
 
 
 def _rows_view(conv: torch.Tensor, dim_first: bool) -> torch.Tensor:
@@ -729,8 +729,9 @@ def spec_step(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
 
 
 def _zero_new_spec_rows(dev: torch.device) -> bool:
-    """Whether a speculative step zeroes the slots of new requests among its rows (:func:`new_spec_requests`): on CPU,
-    and on CUDA where the ``speculative-one-token`` CUDA feature is on (``settings.FEATURES``)."""
+    """Whether a speculative step zeroes the slots of new requests among its rows (:func:`new_spec_requests`): on CPU
+    always, and on CUDA where the ``speculative-one-token`` CUDA feature is on (by default:
+    ``settings.CUDA_FEATURES``)."""
     from vllm_bi.settings import current
 
     return dev.type == "cpu" or current().cuda_feature("speculative-one-token")
@@ -769,8 +770,8 @@ def wrap_mamba_prepare_attn(orig):
     """``MambaHybridModelState.prepare_attn`` (V2) counting the rows of :func:`padded_new_requests` as decodes
     (``prefill_runs_as_decode_np``), as V1 does: they become speculative rows with ``num_accepted_tokens = 1``
     and no computed token, which :func:`new_spec_requests` finds and :func:`_clear_new_requests` zeroes, and the
-    verify keeps the state after each row in its own slot. Installed with the ``speculative-one-token`` CUDA feature
-    only (the ledger; without it such a prompt is refused)."""
+    verify keeps the state after each row in its own slot. Installed on CUDA where the ``speculative-one-token`` CUDA
+    feature is on (by default: ``settings.CUDA_FEATURES``; the ledger)."""
     import dataclasses
     import functools
 

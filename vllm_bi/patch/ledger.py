@@ -317,13 +317,6 @@ LEDGER: tuple[Patch, ...] = (
       "CPU generators have no offset: a seeded request whose prompt is chunked killed the engine",
       "per-request generator keyed by (seed, draw index)", "vllm_bi.patch.sampling:random_sample",
       remove_when="vLLM's CPU generators support offsets"),
-    P("vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len", CUDA,
-      "with --speculative-config vLLM's scheduler pads a new one-token request into a speculative row, which starts "
-      "from its slots; the GDN glue zeroes them on CPU, on CUDA not yet GPU-checked",
-      "such a prompt is refused (400) when the server decodes speculatively, unless VLLM_BI_CUDA_PREVIEW names "
-      "speculative-one-token",
-      "vllm_bi.patch.sampling:wrap_validate_prompt_len", wraps=True,
-      remove_when="a GPU run shows one-token prompts equal alone and busy with speculation on"),
     P("vllm.v1.worker.gpu.model_states.mamba_hybrid:MambaHybridModelState.prepare_attn", CUDA,
       "Model Runner V2 runs a new one-token request padded with placeholder drafts as a 1 + k token prefill: the "
       "GDN state and conv window it leaves include the placeholders, and the request's next step starts from them",
@@ -512,7 +505,9 @@ def ledger_table() -> str:
            "Platform `all` rows apply on CPU and CUDA; `when` names the setting a row depends on "
            "(`op library`: CPU always, CUDA with `VLLM_BI_CUDA_OPS=vllm_bi`, the default; `Kimi Linear on the device`: CPU "
            "always, CUDA once `kimi-linear` is in `vllm_bi.settings.CUDA_FEATURES` or with "
-           "`VLLM_BI_CUDA_PREVIEW=kimi-linear`).", "",
+           "`VLLM_BI_CUDA_PREVIEW=kimi-linear`; `one-token prompts under speculation on CUDA`: CUDA once "
+           "`speculative-one-token` is in `vllm_bi.settings.CUDA_FEATURES` or with "
+           "`VLLM_BI_CUDA_PREVIEW=speculative-one-token`).", "",
            "| target | platform | when | why | how | upstream | remove when |", "|---|---|---|---|---|---|---|"]
     for p in LEDGER:
         cells = [f"`{p.target}`", p.platform, p.when or "always", p.why, f"{p.how} (`{p.new}`)", p.upstream,

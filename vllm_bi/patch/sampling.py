@@ -16,7 +16,7 @@ import functools
 import torch
 
 __all__ = ["BIGenerator", "random_sample", "sampler_forward_cpu", "wrap_update_states", "verify_drafts",
-           "keep_matching_drafts", "verify_drafts_v2", "wrap_validate_params", "wrap_validate_prompt_len"]
+           "keep_matching_drafts", "verify_drafts_v2", "wrap_validate_params"]
 
 
 class BIGenerator(torch.Generator):
@@ -230,34 +230,6 @@ def verify_drafts_v2(self, logits, input_batch, draft_logits=None, invalid_draft
                                                              sampler.req_states.prefill_len.gpu)
     return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=logprobs, num_nans=num_nans,
                          num_sampled=num_sampled, num_rejected=num_rejected, sampling_mask_tensors=mask)
-
-
-def wrap_validate_prompt_len(orig):
-    """A CUDA server with speculative decoding refuses (400, naming the fix) a one-token prompt unless the
-    ``speculative-one-token`` CUDA feature is on. vLLM's scheduler pads such a new request into a speculative row
-    when decodes run beside it; the GDN glue zeroes its slots before the verify
-    (``model_executor/gdn.new_spec_requests``), which is checked on CPU
-    (``docs/results/2026-12-06-cpu-fuzz-speculative.md``), not yet on a GPU."""
-
-    @functools.wraps(orig)
-    def _validate_prompt_len(self, prompt_len, prompt_type):
-        out = orig(self, prompt_len, prompt_type)
-        if prompt_type == "decoder" and prompt_len == 1 and getattr(self, "speculative_config", None) is not None:
-            from vllm.exceptions import VLLMValidationError
-
-            from vllm_bi.settings import current
-
-            if current().cuda_feature("speculative-one-token"):
-                return out
-
-            raise VLLMValidationError(
-                "vllm_bi: this batch-invariant server decodes speculatively, and a one-token prompt is not "
-                "batch-invariant there yet on CUDA; send a prompt of two or more tokens, or serve without "
-                "--speculative-config (VLLM_BI_CUDA_PREVIEW=speculative-one-token serves it, not yet GPU-checked)",
-                parameter="prompt", value=prompt_len)
-        return out
-
-    return _validate_prompt_len
 
 
 def wrap_validate_params(orig):
