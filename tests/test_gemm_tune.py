@@ -440,3 +440,121 @@ def test_a_resumed_run_whose_table_is_not_the_servers_now_is_refused(monkeypatch
     with open(os.path.join(run, "checkpoint", "meta.json"), "w") as f:  # the control: the run's table is the server's
         json.dump({"format": CHECKPOINT_FORMAT, "settings": dict(now, gemm_configs=digest)}, f)
     check_resumed_settings(run, "cuda")
+
+
+# ---------------------------------------------------------------------------------------------- the head start
+def shipped_dir(tmp_path, device="NVIDIA H200", entries=None):
+    """A folder of shipped tables: one made on ``device`` for (256, 64) with BLOCK_K 128, one for another device."""
+    folder = tmp_path / "shipped"
+    folder.mkdir(exist_ok=True)
+    mine = T.TuneResult(entries=entries or {(256, 64): (128, [(1, (16, 64, 4, 3)), (64, (64, 64, 8, 4))])})
+    (folder / "a-mine.json").write_text(json.dumps(T.table_doc(mine, "hopper", device=device)))
+    other = T.TuneResult(entries={(512, 96): (64, [(64, (32, 256, 4, 3))])})
+    (folder / "b-other.json").write_text(json.dumps(T.table_doc(other, "hopper", device="NVIDIA B200")))
+    (folder / "notes.txt").write_text("not a table")
+    return folder
+
+
+def test_a_shipped_table_made_on_this_device_is_a_head_start(tmp_path):
+    """The entries of a shipped table whose device is this one are taken as they are; the model's other shapes are
+    tuned, those of a ``K`` the table has with its ``BLOCK_K`` only (the fake timings prefer 64 for ``K = 64``, so
+    the free choice would differ); a table made on another device gives nothing (its (512, 96) is tuned here)."""
+    folder = shipped_dir(tmp_path)
+    shapes = [(256, 64), (512, 96), (1024, 64)]
+    start = T.head_start(shapes, "NVIDIA H200", str(folder))
+    assert start.name.startswith("a-mine:") and set(start.entries) == {(256, 64)} and start.block_k == {64: 128}
+    assert T.to_tune(shapes, start) == [((64, 128), [(512, 96)]), ((128,), [(1024, 64)])]
+    seen = []
+
+    def tuner(group, block_ks):
+        seen.append((group, block_ks))
+        return tune(group, block_ks=block_ks)
+
+    res = T.tune_with_head_start(shapes, start, tuner)
+    assert seen == [([(512, 96)], (64, 128)), ([(1024, 64)], (128,))]
+    assert res.entries[(256, 64)] == start.entries[(256, 64)]
+    assert res.entries[(1024, 64)][0] == 128 and res.block_k[64] == 128
+    assert tune([(1024, 64)]).entries[(1024, 64)][0] == 64  # without the head start K = 64 would take 64
+    path = tmp_path / "merged.json"
+    path.write_text(json.dumps(T.table_doc(res, "hopper", device="NVIDIA H200")))
+    assert set(load_table(str(path))[1]) == set(shapes)  # one BLOCK_K per K holds across the merged table
+    # control: no table made on this device, or none with one of the shapes
+    assert T.head_start(shapes, "NVIDIA H100 80GB HBM3", str(folder)) is None
+    assert T.head_start([(8, 8)], "NVIDIA H200", str(folder)) is None
+    assert T.head_start(shapes, "NVIDIA H200", str(tmp_path / "missing")) is None
+    assert T.to_tune(shapes, None) == [((64, 128), [(256, 64), (512, 96), (1024, 64)])]
+
+
+def test_a_server_takes_a_shipped_table_covering_its_shapes_without_tuning(monkeypatch, tmp_path, caplog):
+    """Every shape in a shipped table made on this device: no benchmark is made, the table's entries are this
+    server's (a cache entry keyed by the shipped table too), and the one log line says where they came from."""
+    C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
+    from vllm_bi.ops import gemm_configs as G
+    from vllm_bi.patch import gemm_tuning
+
+    folder = shipped_dir(tmp_path, entries={(256, 64): (64, [(1, (16, 128, 4, 3))]), (512, 96): (64, [(64, (32, 64,
+                                                                                                          4, 3))])})
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "tune")
+    monkeypatch.setenv("VLLM_BI_CACHE_DIR", str(tmp_path / "cache"))
+    S.reload()
+    monkeypatch.setattr(S, "BUILTIN_GEMM_TABLES", str(folder))
+    monkeypatch.setattr(T, "device_key", lambda shapes: key(shapes=shapes))
+    monkeypatch.setattr(T, "PersistentGemmBench", FakeBench)
+    FakeBench.made = 0
+    saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS.get("hopper", {}))
+    try:
+        with caplog.at_level("INFO", logger="vllm_bi"):
+            digest = gemm_tuning.ensure_tuned_table([(256, 64), (512, 96)])
+        assert FakeBench.made == 0 and "taken from the shipped table a-mine" in caplog.text
+        assert S.current().arithmetic("cuda")["gemm_configs"] == digest
+        with open(S.tuned_table()[0]) as f:
+            doc = json.load(f)
+        assert doc["key"]["head_start"].startswith("a-mine:") and doc["head_start"] == doc["key"]["head_start"]
+        assert C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"][(512, 96)].block_k == 64  # installed
+    finally:
+        C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
+        C._TUNED_MATMUL_CONFIGS_RESOLVED = False
+        G._installed.clear()
+
+
+def test_processes_starting_at_once_tune_once(tmp_path):
+    """Two first starts of one key at the same time: one tunes while holding the lock, the other waits and reads its
+    table (control: without the lock file both would tune, as the second finds no table when it starts)."""
+    import threading
+    import time
+
+    calls, waited, paths = [], [], []
+
+    def tuner():
+        calls.append(1)
+        time.sleep(0.5)
+        return small_table()
+
+    def start():
+        paths.append(T.cached_or_tuned(key(), str(tmp_path), tuner, waiting=waited.append)[0])
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    threads[0].start()
+    time.sleep(0.1)
+    assert not T.read_cached(T.cache_file(str(tmp_path), key()), key())  # the second starts before a table exists
+    threads[1].start()
+    for t in threads:
+        t.join()
+    assert calls == [1] and len(waited) == 1 and paths[0] == paths[1]
+
+
+def test_auto_tunes_where_the_auto_table_is_tune(monkeypatch):
+    """``GEMM_CONFIGS_AUTO_CUDA``: ``shipped`` (auto names the shipped table) or ``tune`` (auto tunes on CUDA as
+    ``tune`` does, CPU untouched); an explicit table name or ``vllm`` is kept either way."""
+    assert S.GEMM_CONFIGS_AUTO_CUDA in ("shipped", S.TUNE)
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", "shipped")
+    auto = S.Settings.from_env({})
+    assert not auto.tunes_gemm("cuda") and auto.gemm_tiles() == S.Settings.from_env(
+        {"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE}).gemm_tiles()
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.TUNE)
+    assert auto.tunes_gemm("cuda") and not auto.tunes_gemm("cpu")
+    assert auto.arithmetic("cuda")["gemm_configs"] == S.TUNE_PENDING and auto.arithmetic("cpu")["gemm_configs"] == "none"
+    named = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE})
+    assert not named.tunes_gemm("cuda") and named.gemm_tiles() != S.TUNE_PENDING
+    assert not S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "vllm"}).tunes_gemm("cuda")
+    assert not S.Settings.from_env({"VLLM_BI_PRESET": "portable"}).tunes_gemm("cuda")  # float64 GEMM: no table

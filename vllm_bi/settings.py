@@ -85,6 +85,11 @@ CANONICAL_ROWS_CUDA = True
 # decode time at Qwen3.5-9B's GDN dims (benchmarks/gdn_recurrent_tiles.py). A change here changes CUDA's bits, as
 # DEFAULT_PRESET does; the portable preset keeps fla's.
 GDN_TILE_AUTO_CUDA = "16x1x3"
+# What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
+# device) or "tune" (a table tuned for this device and the served model on a server's first start and cached, the
+# entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a product's
+# bits, so a change here changes CUDA's bits and lands with a GPU gate run, as DEFAULT_PRESET does.
+GEMM_CONFIGS_AUTO_CUDA = "shipped"
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
@@ -110,7 +115,8 @@ SETTINGS = (
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
           "(h200-qwen3.5-9b), vllm (vLLM's own tiles) or tune (tuned for this device and the served model's shapes "
           "on a server's first start, cached under VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
-          "ignored on CPU); auto: the shipped table"),
+          "ignored on CPU; the entries of a shipped table made on this device are taken as they are); auto: "
+          + ("tune" if GEMM_CONFIGS_AUTO_CUDA == "tune" else "the shipped table")),
     _Spec("attention", "auto", ("auto", "torch", "triton"),
           "attention op: auto is Triton on CUDA (torch for multi-head latent attention), torch on CPU"),
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
@@ -345,7 +351,7 @@ class Settings:
         value = self.gemm_configs
         if value in ("", "vllm"):
             return None
-        if value == TUNE:
+        if self.tunes_table():
             return _TUNED[0] if _TUNED else None
         if value == "auto":
             value = DEFAULT_GEMM_TABLE
@@ -359,7 +365,7 @@ class Settings:
     def gemm_tiles(self) -> str:
         """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix; under ``tune``
         the digest of the table this process took (:func:`use_tuned_table`), :data:`TUNE_PENDING` before."""
-        if self.gemm_configs == TUNE:
+        if self.tunes_table():
             return _TUNED[1] if _TUNED else TUNE_PENDING
         path = self.gemm_table_path()
         if path is None:
@@ -379,10 +385,15 @@ class Settings:
         base = env.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(os.path.abspath(base), "vllm_bi")
 
+    def tunes_table(self) -> bool:
+        """Whether the Triton GEMM's tile table is the one tuned for this device and model: ``VLLM_BI_GEMM_CONFIGS=tune``,
+        or ``auto`` where :data:`GEMM_CONFIGS_AUTO_CUDA` is ``tune``."""
+        return self.gemm_configs == TUNE or (self.gemm_configs == "auto" and GEMM_CONFIGS_AUTO_CUDA == TUNE)
+
     def tunes_gemm(self, device: str) -> bool:
         """Whether a server on ``device`` tunes (or loads its cached) Triton GEMM tile table at start-up: under
-        ``VLLM_BI_GEMM_CONFIGS=tune`` with the Triton GEMM, which is CUDA's only."""
-        return self.gemm_configs == TUNE and self.gemm_on(device) == "triton"
+        :meth:`tunes_table` with the Triton GEMM, which is CUDA's only."""
+        return self.tunes_table() and self.gemm_on(device) == "triton"
 
     def arithmetic(self, device: str) -> dict:
         """What decides a token's bits on ``device``: the dict a server reports and a trainer must equal

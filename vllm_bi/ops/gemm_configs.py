@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 
 from vllm_bi.settings import BUILTIN_GEMM_TABLES as BUILTIN_DIR
-from vllm_bi.settings import TUNE, builtin_tables, current
+from vllm_bi.settings import builtin_tables, current
 
 __all__ = ["BUILTIN_DIR", "builtin_tables", "consistent_tiles", "install_gemm_configs", "load_table", "table_digest", "table_path"]
 
@@ -109,7 +109,7 @@ def install_gemm_configs() -> str:
     Called before the Triton GEMM mode's first product, in the server and in the trainer alike."""
     path = table_path()
     if path is None:
-        if current().gemm_configs == TUNE:
+        if current().tunes_table():
             raise RuntimeError("VLLM_BI_GEMM_CONFIGS=tune: this process has no tuned table yet: a server tunes (or "
                                "loads its cached table) when it loads the model, a trainer takes its server's "
                                "(vllm_bi_info) when it connects; connect to the server first or set "

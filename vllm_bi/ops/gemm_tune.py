@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterable
 __all__ = ["BUCKETS", "SERVER_BUCKETS", "BLOCK_KS", "CHECK_MS", "TUNE_VERSION", "candidates", "plan_size",
            "tune_shapes", "TuneResult", "table_doc", "cache_key", "cache_file", "write_text_atomic",
            "read_cached", "cached_or_tuned", "model_shapes", "cuda_ms", "PersistentGemmBench", "device_key",
-           "save_received_table", "adopt_table"]
+           "save_received_table", "adopt_table", "HeadStart", "head_start", "to_tune",
+           "tune_with_head_start"]
 
 BUCKETS = (1, 4, 8, 16, 32, 64, 256, 512, 1024, 2048, 8192)  # the benchmark's default buckets of M
 SERVER_BUCKETS = (1, 16, 64, 256, 1024, 8192)  # a server's first-start tuning (the shipped H200 table's buckets)
@@ -243,19 +244,108 @@ def read_cached(path: str, key: dict) -> bool:
     return isinstance(doc, dict) and doc.get("key") == key
 
 
-def cached_or_tuned(key: dict, cache_dir: str, tune: Callable[[], dict]) -> tuple[str, float | None]:
+def cached_or_tuned(key: dict, cache_dir: str, tune: Callable[[], dict],
+                    waiting: Callable[[str], None] = lambda path: None) -> tuple[str, float | None]:
     """The cache file of ``key``: read when it holds a table for ``key``, else ``tune()``'s table (a format-1 dict;
-    ``key`` is added) written there atomically. Returns ``(path, seconds tuning took, or None for a cache hit)``."""
+    ``key`` is added) written there atomically. Returns ``(path, seconds tuning took, or None for a cache hit)``.
+    Processes that start at once on one machine tune once: the first holds a lock file beside the table while it
+    tunes, and the others wait for it (``waiting(path)`` is called first) and then read its table."""
+    import fcntl
     import time
 
     path = cache_file(cache_dir, key)
     if read_cached(path, key):
         return path, None
-    t0 = time.perf_counter()
-    doc = tune()
-    doc["key"] = key
-    write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    return path, time.perf_counter() - t0
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            waiting(path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if read_cached(path, key):  # written by the process this one waited for
+                return path, None
+            t0 = time.perf_counter()
+            doc = tune()
+            doc["key"] = key
+            write_text_atomic(path, json.dumps(doc, indent=1, sort_keys=False) + "\n")
+            return path, time.perf_counter() - t0
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadStart:
+    """The entries a shipped table made on this device gives a model's shapes: ``name`` (the table's name and
+    digest, part of the cache key), ``entries`` (``{(n, k): (block_k, [(max_m, tile), ...])}``, taken as they are)
+    and ``block_k`` (``{K: BLOCK_K}`` of the table, which a tuned shape with that ``K`` must share)."""
+
+    name: str
+    arch: str
+    entries: dict
+    block_k: dict
+
+
+def head_start(shapes: Iterable[tuple[int, int]], device: str, folder: str) -> HeadStart | None:
+    """The first table in ``folder`` (by name) whose ``device`` is ``device`` and which holds one of ``shapes``, as a
+    :class:`HeadStart`; None when there is none. A table made on another device is never taken: its tiles were timed
+    there."""
+    from vllm_bi.ops.gemm_configs import load_table
+
+    wanted = set((int(n), int(k)) for n, k in shapes)
+    try:
+        names = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
+    except OSError:
+        return None
+    for fname in names:
+        path = os.path.join(folder, fname)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+            if json.loads(raw).get("device") != device:
+                continue
+            arch, table = load_table(path)
+        except (OSError, ValueError, AttributeError):
+            continue
+        entries = {s: (bk, [(m, tuple(t)) for m, *t in buckets]) for s, (bk, buckets) in table.items() if s in wanted}
+        if entries:
+            digest = hashlib.sha256(raw).hexdigest()[:16]
+            return HeadStart(f"{fname[:-5]}:{digest}", arch, entries,
+                             {k: bk for (_, k), (bk, _) in table.items()})
+    return None
+
+
+def to_tune(shapes: Iterable[tuple[int, int]], start: HeadStart | None) -> list[tuple[tuple[int, ...], list]]:
+    """The shapes the head start lacks, grouped by the ``BLOCK_K`` candidates they may take: ``[(block_ks,
+    [(n, k), ...]), ...]`` (a ``K`` the head start has: its ``BLOCK_K`` only)."""
+    have = start.entries if start is not None else {}
+    groups: dict[tuple[int, ...], list] = {}
+    for n, k in sorted(set((int(n), int(k)) for n, k in shapes)):
+        if (n, k) in have:
+            continue
+        fixed = start.block_k.get(k) if start is not None else None
+        groups.setdefault((fixed,) if fixed else tuple(BLOCK_KS), []).append((n, k))
+    return sorted(groups.items())
+
+
+def tune_with_head_start(shapes: Iterable[tuple[int, int]], start: HeadStart | None, tune: Callable) -> TuneResult:
+    """A table for ``shapes``: the head start's entries as they are, the other shapes tuned by ``tune(shapes,
+    block_ks)`` (:func:`tune_shapes` with the measurements bound), those of a ``K`` the head start has with its
+    ``BLOCK_K`` only (one ``BLOCK_K`` per ``K`` across the table), the others with :data:`BLOCK_KS`."""
+    shapes = sorted(set((int(n), int(k)) for n, k in shapes))
+    res = TuneResult()
+    if start is not None:
+        res.entries.update({s: e for s, e in start.entries.items() if s in shapes})
+        res.block_k.update({k: bk for (_, k), (bk, _) in res.entries.items()})
+    for block_ks, group in to_tune(shapes, start):
+        part = tune(group, block_ks)
+        res.entries.update(part.entries)
+        res.timings.update(part.timings)
+        res.rejected += part.rejected
+        res.failed += part.failed
+        res.block_k.update(part.block_k)
+    return res
 
 
 def save_received_table(text: str, folder: str) -> str:

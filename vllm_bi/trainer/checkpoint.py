@@ -54,13 +54,13 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
     if rows:
         key, a, b = rows[0]
         if key == "gemm_configs":
-            from vllm_bi.settings import TUNE, current
+            from vllm_bi.settings import current
 
             own = os.path.join(run_dir, "gemm_tiles", f"{a}.json")  # the run's copy of its server's tuned table
             fix = (f"set VLLM_BI_GEMM_CONFIGS={own} (the run's table) for the run and its server"
                    if os.path.exists(own) else "set VLLM_BI_GEMM_CONFIGS as the run had it")
             why = (" (its server's tuned table: one is tuned anew for another device or another torch, Triton, vLLM "
-                   "or vllm_bi version)" if current().gemm_configs == TUNE else "")
+                   "or vllm_bi version)" if current().tunes_table() else "")
             raise TrainerError(f"{run_dir} holds a checkpoint made with the Triton GEMM tile table {a}, this process "
                                f"runs {b}{why}: {fix}, or use --resume false (or another --run-dir) to start over",
                                exit_code=MISMATCH)
