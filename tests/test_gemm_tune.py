@@ -284,34 +284,44 @@ class FakeBench:
         pass
 
 
-def test_a_server_tunes_on_its_first_start_and_loads_the_cache_after(monkeypatch, tmp_path, caplog):
+@pytest.fixture
+def tune_server(monkeypatch, tmp_path):
+    """A CUDA server's side under ``VLLM_BI_GEMM_CONFIGS=tune`` with fakes: the cache in ``tmp_path/cache``, the
+    device key of :func:`key`, :class:`FakeBench` for the GPU, no shipped tables (a test may set
+    ``S.BUILTIN_GEMM_TABLES``); vLLM's table for Hopper restored after. Yields ``(vLLM's configs module,
+    gemm_configs, gemm_tuning)``."""
     C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
     from vllm_bi.ops import gemm_configs as G
     from vllm_bi.patch import gemm_tuning
 
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "tune")
-    monkeypatch.setenv("VLLM_BI_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("VLLM_BI_CACHE_DIR", str(tmp_path / "cache"))
     S.reload()
+    monkeypatch.setattr(S, "BUILTIN_GEMM_TABLES", str(tmp_path / "no-shipped-tables"))
     monkeypatch.setattr(T, "device_key", lambda shapes: key(shapes=shapes))
     monkeypatch.setattr(T, "PersistentGemmBench", FakeBench)
     FakeBench.made = 0
     saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS.get("hopper", {}))
-    try:
-        with caplog.at_level("INFO", logger="vllm_bi"):
-            digest = gemm_tuning.ensure_tuned_table([(256, 64), (512, 96)])
-        assert FakeBench.made == 1 and "first start" in caplog.text and str(tmp_path) in caplog.text
-        assert S.current().arithmetic("cuda")["gemm_configs"] == digest == G.table_digest()
-        assert C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"][(512, 96)].block_k == 64  # installed
-        caplog.clear()
-        monkeypatch.setattr(S, "_TUNED", None)
-        G._installed.clear()
-        with caplog.at_level("INFO", logger="vllm_bi"):
-            assert gemm_tuning.ensure_tuned_table([(512, 96), (256, 64)]) == digest
-        assert FakeBench.made == 1 and "loaded from the cache" in caplog.text
-    finally:
-        C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
-        C._TUNED_MATMUL_CONFIGS_RESOLVED = False
-        G._installed.clear()
+    yield C, G, gemm_tuning
+    C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
+    C._TUNED_MATMUL_CONFIGS_RESOLVED = False
+    G._installed.clear()
+
+
+def test_a_server_tunes_on_its_first_start_and_loads_the_cache_after(tune_server, monkeypatch, tmp_path, caplog):
+    C, G, gemm_tuning = tune_server
+    with caplog.at_level("INFO", logger="vllm_bi"):
+        digest = gemm_tuning.ensure_tuned_table([(256, 64), (512, 96)])
+    assert FakeBench.made == 1 and "first start" in caplog.text and str(tmp_path / "cache") in caplog.text
+    assert "taken from the shipped table" not in caplog.text
+    assert S.current().arithmetic("cuda")["gemm_configs"] == digest == G.table_digest()
+    assert C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"][(512, 96)].block_k == 64  # installed
+    caplog.clear()
+    monkeypatch.setattr(S, "_TUNED", None)
+    G._installed.clear()
+    with caplog.at_level("INFO", logger="vllm_bi"):
+        assert gemm_tuning.ensure_tuned_table([(512, 96), (256, 64)]) == digest
+    assert FakeBench.made == 1 and "loaded from the cache" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
@@ -485,36 +495,33 @@ def test_a_shipped_table_made_on_this_device_is_a_head_start(tmp_path):
     assert T.to_tune(shapes, None) == [((64, 128), [(256, 64), (512, 96), (1024, 64)])]
 
 
-def test_a_server_takes_a_shipped_table_covering_its_shapes_without_tuning(monkeypatch, tmp_path, caplog):
+def test_a_server_takes_a_shipped_table_covering_its_shapes_without_tuning(tune_server, monkeypatch, tmp_path,
+                                                                           caplog):
     """Every shape in a shipped table made on this device: no benchmark is made, the table's entries are this
     server's (a cache entry keyed by the shipped table too), and the one log line says where they came from."""
-    C = pytest.importorskip("vllm.model_executor.determinism.batch_invariant_configs")
-    from vllm_bi.ops import gemm_configs as G
-    from vllm_bi.patch import gemm_tuning
-
-    folder = shipped_dir(tmp_path, entries={(256, 64): (64, [(1, (16, 128, 4, 3))]), (512, 96): (64, [(64, (32, 64,
-                                                                                                          4, 3))])})
-    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "tune")
-    monkeypatch.setenv("VLLM_BI_CACHE_DIR", str(tmp_path / "cache"))
-    S.reload()
+    C, _, gemm_tuning = tune_server
+    folder = shipped_dir(tmp_path, entries={(256, 64): (64, [(1, (16, 128, 4, 3))]),
+                                            (512, 96): (64, [(64, (32, 64, 4, 3))])})
     monkeypatch.setattr(S, "BUILTIN_GEMM_TABLES", str(folder))
-    monkeypatch.setattr(T, "device_key", lambda shapes: key(shapes=shapes))
-    monkeypatch.setattr(T, "PersistentGemmBench", FakeBench)
-    FakeBench.made = 0
-    saved = dict(C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS.get("hopper", {}))
-    try:
-        with caplog.at_level("INFO", logger="vllm_bi"):
-            digest = gemm_tuning.ensure_tuned_table([(256, 64), (512, 96)])
-        assert FakeBench.made == 0 and "taken from the shipped table a-mine" in caplog.text
-        assert S.current().arithmetic("cuda")["gemm_configs"] == digest
-        with open(S.tuned_table()[0]) as f:
-            doc = json.load(f)
-        assert doc["key"]["head_start"].startswith("a-mine:") and doc["head_start"] == doc["key"]["head_start"]
-        assert C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"][(512, 96)].block_k == 64  # installed
-    finally:
-        C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"] = saved
-        C._TUNED_MATMUL_CONFIGS_RESOLVED = False
-        G._installed.clear()
+    with caplog.at_level("INFO", logger="vllm_bi"):
+        digest = gemm_tuning.ensure_tuned_table([(256, 64), (512, 96)])
+    assert FakeBench.made == 0 and "taken from the shipped table a-mine" in caplog.text
+    assert S.current().arithmetic("cuda")["gemm_configs"] == digest
+    with open(S.tuned_table()[0]) as f:
+        doc = json.load(f)
+    assert doc["key"]["head_start"].startswith("a-mine:") and doc["head_start"] == doc["key"]["head_start"]
+    assert C._BATCH_INVARIANT_MATMUL_TUNED_CONFIGS["hopper"][(512, 96)].block_k == 64  # installed
+
+
+def test_a_server_tunes_only_what_the_shipped_table_lacks(tune_server, monkeypatch, tmp_path, caplog):
+    """A shipped table made on this device with one of two shapes of one ``K``: the server benchmarks once, for the
+    other shape, under the table's ``BLOCK_K``, and its table holds both."""
+    _, _, gemm_tuning = tune_server
+    monkeypatch.setattr(S, "BUILTIN_GEMM_TABLES", str(shipped_dir(tmp_path)))
+    with caplog.at_level("INFO", logger="vllm_bi"):
+        gemm_tuning.ensure_tuned_table([(256, 64), (1024, 64)])
+    assert FakeBench.made == 1 and "1 taken from the shipped table a-mine" in caplog.text
+    assert load_table(S.tuned_table()[0])[1][(1024, 64)][0] == 128 == load_table(S.tuned_table()[0])[1][(256, 64)][0]
 
 
 def test_processes_starting_at_once_tune_once(tmp_path):
