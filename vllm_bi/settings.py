@@ -85,6 +85,10 @@ CANONICAL_ROWS_CUDA = True
 # decode time at Qwen3.5-9B's GDN dims (benchmarks/gdn_recurrent_tiles.py). A change here changes CUDA's bits, as
 # DEFAULT_PRESET does; the portable preset keeps fla's.
 GDN_TILE_AUTO_CUDA = "16x1x3"
+# The GDN gates on CUDA under VLLM_BI_GDN_GATES=auto: "torch" (vllm_bi.ops.pointwise, one kernel per operation) or
+# "triton" (vllm_bi.ops.gates_triton: one kernel, the same operations in the same order, meant to give torch's bits;
+# tests/gpu/test_gates_cuda.py checks that). A change here lands with a GPU run of that test and a gate.
+GDN_GATES_AUTO_CUDA = "torch"
 # What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
 # device) or "tune" (a table tuned for this device and the served model on a server's first start and cached, the
 # entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a product's
@@ -126,6 +130,10 @@ SETTINGS = (
           "the recurrent GDN kernel's tile on CUDA (server and trainer alike): fla (fla-core's launch, [K, 8] of the "
           "state per program, one warp) or BVxWARPSxSTAGES (values of the state per program, Triton warps and stages, "
           f"e.g. 32x2x3); each tile gives its own bits; auto: {GDN_TILE_AUTO_CUDA}"),
+    _Spec("gdn_gates", "auto", ("auto", "torch", "triton"),
+          "the GDN gates (g from a, A_log and dt_bias; beta from b) on CUDA: torch's elementwise kernels, one per "
+          "operation, or one Triton kernel running the same operations (meant to give the same bits; checked by "
+          f"tests/gpu/test_gates_cuda.py); CPU runs torch's; auto: {GDN_GATES_AUTO_CUDA}"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
@@ -167,10 +175,10 @@ PRESETS = {
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
                   "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION",
                   "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE", "logprobs": "VLLM_BI_LOGPROBS",
-                  "gdn_tile": "VLLM_BI_GDN_TILE"}
+                  "gdn_tile": "VLLM_BI_GDN_TILE", "gdn_gates": "VLLM_BI_GDN_GATES"}
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
-          "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile"}
+          "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile", "gdn_gates": "GDN gates path"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead
@@ -224,6 +232,7 @@ class Settings:
     attention: str = "auto"
     rowwise: str = "auto"
     gdn_tile: str = "auto"
+    gdn_gates: str = "auto"
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
@@ -301,6 +310,13 @@ class Settings:
         if self.rowwise == "auto":
             return ROWWISE_AUTO_CUDA if device == "cuda" else "torch"
         return self.rowwise
+
+    def gdn_gates_op(self, device: str) -> str:
+        """How the GDN gates run on ``device``: ``torch`` or ``triton`` (CUDA, or CPU in Triton's interpreter when set
+        explicitly, for tests)."""
+        if self.gdn_gates == "auto":
+            return GDN_GATES_AUTO_CUDA if device == "cuda" else "torch"
+        return self.gdn_gates
 
     def recurrent_tile(self, device: str) -> str:
         """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES``); ``none`` where no
@@ -402,7 +418,8 @@ class Settings:
         return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
                 "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none", "attention": self.attention_op(device),
                 "rowwise": self.rowwise_op(device), "moe": self.moe_path(device),
-                "logprobs": self.logprobs_op(device), "gdn_tile": self.recurrent_tile(device)}
+                "logprobs": self.logprobs_op(device), "gdn_tile": self.recurrent_tile(device),
+                "gdn_gates": self.gdn_gates_op(device)}
 
     def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
         """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``

@@ -47,7 +47,16 @@ L2NORM_EPS = 1e-6
 def gdn_gating(
     A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; both fp32 ``[T, HV]``."""
+    """``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``; both fp32 ``[T, HV]``. Under
+    ``VLLM_BI_GDN_GATES=triton`` one kernel computes both (:mod:`vllm_bi.ops.gates_triton`)."""
+    from vllm_bi.settings import current
+
+    if a.dim() == 2 and current().gdn_gates_op(a.device.type) == "triton":
+        from vllm_bi.ops._choice import check_triton_device
+        from vllm_bi.ops.gates_triton import gdn_gates
+
+        check_triton_device("VLLM_BI_GDN_GATES", "triton", a.device.type)
+        return gdn_gates(A_log, a, b, dt_bias)
     g = -pointwise.exp(A_log.float()) * pointwise.softplus(a.float() + dt_bias.float())
     beta = pointwise.sigmoid(b.float())
     return g, beta
