@@ -111,10 +111,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from vllm_bi.errors import UsageError
     from vllm_bi.gdn.slots import parse_tile, recurrent_in_slots
-    from vllm_bi.settings import _tile_value
+    from vllm_bi.settings import GDN_TILE_AUTO_CUDA, _tile_value
 
     try:
         names = [_tile_value(t, "--tiles") for t in args.tiles.split(",") if t.strip()]
+        names = list(dict.fromkeys(GDN_TILE_AUTO_CUDA if n == "auto" else n for n in names))  # auto: CUDA's default
     except UsageError as e:
         ap.error(str(e))
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

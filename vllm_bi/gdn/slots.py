@@ -52,8 +52,9 @@ FLA_TILE = Tile(8, 1, 3)  # fla-core's fused recurrent launch: all of K, 8 value
 
 
 def parse_tile(value: str) -> Tile:
-    """``fla`` or ``BVxWARPSxSTAGES`` (the settings' ``gdn_tile``, already validated) as a :class:`Tile`."""
-    if value in ("fla", "auto", "none"):
+    """``fla`` (or ``none``: no recurrent kernel runs) or ``BVxWARPSxSTAGES`` (the settings' resolved tile, already
+    validated) as a :class:`Tile`. ``auto`` is not a tile: :meth:`vllm_bi.settings.Settings.recurrent_tile` resolves it."""
+    if value in ("fla", "none"):
         return FLA_TILE
     bv, warps, stages = (int(x) for x in value.split("x"))
     return Tile(bv, warps, stages)
