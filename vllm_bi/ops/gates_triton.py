@@ -35,6 +35,7 @@ def _kernel():
     if _KERNEL is None:
         import triton
         import triton.language as tl
+        import triton.language.extra.libdevice  # noqa: F401  (tl.extra.libdevice below)
 
         @triton.jit
         def gdn_gates_kernel(a_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, n, HV, sa_t, sa_h, sb_t, sb_h,
