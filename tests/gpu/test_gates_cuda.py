@@ -23,8 +23,8 @@ def _inputs(T: int, dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     proj = (torch.randn(T, 2 * HV + 5, generator=g) * 6).to(dtype)
     special = torch.tensor([25.0, 20.0, 19.999, -30.0, 0.0, 88.0, -88.0, float("inf"), float("-inf"), float("nan")])
-    proj[: len(special), 0] = special.to(dtype)
-    proj[: len(special), 5 + HV] = special.to(dtype)
+    proj[: len(special), 5] = special.to(dtype)  # the first column of a
+    proj[: len(special), 5 + HV] = special.to(dtype)  # and of b
     proj = proj.to(DEV)
     A_log = (torch.randn(HV, generator=g) * 0.7).to(DEV)
     dt_bias = torch.randn(HV, generator=g).to(DEV)

@@ -24,8 +24,10 @@ HV = 32
 A_log = torch.randn(HV) * 0.5
 dt_bias = torch.randn(HV)
 proj = torch.randn(3000, 2 * HV + 7, dtype=torch.bfloat16) * 8  # a and b are column slices of one projection
-proj[:7, 0] = torch.tensor([25.0, 20.0, 19.9, -30.0, 0.0, 60.0, -60.0])  # both sides of the threshold
+edge = torch.tensor([25.0, 20.0, 19.9, -30.0, 0.0, 60.0, -60.0])  # both sides of softplus's threshold
+proj[:7, 3], proj[:7, 3 + HV] = edge, edge  # the first column of a and of b
 a, b = proj[:, 3:3 + HV], proj[:, 3 + HV:3 + 2 * HV]
+assert (a.float() + dt_bias > 20).any() and (a.float() + dt_bias < 20).any()
 assert not a.is_contiguous()
 
 
