@@ -33,6 +33,7 @@ CUDA_SOURCES = (
     "vllm_bi/ops/conv.py",
     "vllm_bi/ops/device.py",
     "vllm_bi/ops/digest_triton.py",
+    "vllm_bi/ops/gates_triton.py",
     "vllm_bi/ops/gemm_configs.py",
     "vllm_bi/ops/gemm_tiles/h200-qwen3.5-9b.json",
     "vllm_bi/ops/gemm_tune.py",
