@@ -35,7 +35,7 @@ import re
 
 from vllm_bi.errors import UsageError
 
-__all__ = ["Settings", "SETTINGS", "launcher_pid", "PARENT_PID_ENV", "PRESETS", "ARITHMETIC_ENV", "current", "reload", "diff", "describe_diff",
+__all__ = ["Settings", "SETTINGS", "launcher_pid", "PARENT_PID_ENV", "PRESETS", "ARITHMETIC_ENV", "ABSENT_MEANT", "current", "reload", "diff", "describe_diff",
            "settings_table", "TUNE", "TUNE_PENDING", "use_tuned_table", "tuned_table"]
 
 PREFIX = "VLLM_BI_"
@@ -179,6 +179,9 @@ ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "ge
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
           "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile", "gdn_gates": "GDN gates path"}
+# what a record made before an arithmetic key existed ran, where that key applies now (its value is not "none"): a
+# checkpoint's settings are read with these filled in, so a resume across the key's arrival is compared, not skipped
+ABSENT_MEANT = {"gdn_tile": "fla", "gdn_gates": "torch"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead

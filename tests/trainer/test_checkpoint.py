@@ -251,3 +251,18 @@ def test_a_cuda_run_from_before_the_tile_setting_resumed_under_another_tile_is_r
     cpu_old = Settings.from_env({}).arithmetic("cpu")
     del cpu_old["gdn_tile"]
     check_resume_settings(str(tmp_path), cpu_old, Settings.from_env({}).arithmetic("cpu"))
+
+
+def test_a_run_from_before_the_gates_setting_resumed_under_the_gates_kernel_is_refused(tmp_path):
+    """A run checkpointed before ``VLLM_BI_GDN_GATES`` existed ran torch's gates: resumed under the Triton kernel it
+    is refused in one line naming the setting; under torch's it resumes (control), on CUDA and CPU alike."""
+    from vllm_bi.settings import Settings
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    for dev in ("cuda", "cpu"):
+        old = Settings.from_env({"VLLM_BI_GDN_GATES": "torch"}).arithmetic(dev)
+        del old["gdn_gates"]
+        with pytest.raises(TrainerError) as e:
+            check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_GATES": "triton"}).arithmetic(dev))
+        assert "\n" not in str(e.value) and "VLLM_BI_GDN_GATES" in str(e.value)
+        check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_GATES": "torch"}).arithmetic(dev))

@@ -51,7 +51,7 @@ def gdn_gating(
     ``VLLM_BI_GDN_GATES=triton`` one kernel computes both (:mod:`vllm_bi.ops.gates_triton`)."""
     from vllm_bi.settings import current
 
-    if a.dim() == 2 and current().gdn_gates_op(a.device.type) == "triton":
+    if current().gdn_gates_op(a.device.type) == "triton":
         from vllm_bi.ops._choice import check_triton_device
         from vllm_bi.ops.gates_triton import gdn_gates
 

@@ -68,9 +68,9 @@ def _kernel():
     return _KERNEL
 
 
-def _launch(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton  # noqa: F401  (the kernel's module)
-
+def _launch(A_log, a, b, dt_bias, libdevice: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on these tensors; ``libdevice`` (default: on CUDA) picks libdevice's functions over Triton's own
+    (the interpreter has no libdevice; a GPU test's control takes Triton's)."""
     if a.dim() != 2 or b.shape != a.shape or A_log.numel() != a.shape[1] or dt_bias.numel() != a.shape[1]:
         raise ValueError(f"gdn_gates: a and b [T, HV], A_log and dt_bias [HV]; got {tuple(a.shape)}, "
                          f"{tuple(b.shape)}, {tuple(A_log.shape)}, {tuple(dt_bias.shape)}")
@@ -81,7 +81,7 @@ def _launch(A_log, a, b, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     if n:
         _kernel()[(-(-n // BLOCK),)](a, b, A_log.contiguous(), dt_bias.contiguous(), g, beta, n, HV, a.stride(0),
                                      a.stride(1), b.stride(0), b.stride(1), THRESHOLD=THRESHOLD, BLOCK=BLOCK,
-                                     LIBDEVICE=a.is_cuda)
+                                     LIBDEVICE=a.is_cuda if libdevice is None else libdevice)
     return g, beta
 
 

@@ -44,12 +44,12 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
     """Refuse to resume a run under arithmetic settings other than its checkpoint's (its logprobs would change bits
     mid-run). A checkpoint without settings (an older vllm_bi) is not checked. Under ``VLLM_BI_GEMM_CONFIGS=tune``
     the tile table is compared once the server's is taken (:func:`check_resumed_settings`), not before."""
-    from vllm_bi.settings import ARITHMETIC_ENV, TUNE_PENDING, diff
+    from vllm_bi.settings import ABSENT_MEANT, ARITHMETIC_ENV, TUNE_PENDING, diff
 
     if now.get("gemm_configs") == TUNE_PENDING:
         now = {k: v for k, v in now.items() if k != "gemm_configs"}
-    if saved and "gdn_tile" not in saved and now.get("gdn_tile", "none") != "none":
-        saved = {**saved, "gdn_tile": "fla"}  # made before the setting existed: CUDA then ran fla-core's tile
+    if saved:  # a key the checkpoint predates: what it ran then (settings.ABSENT_MEANT)
+        saved = {**{k: v for k, v in ABSENT_MEANT.items() if now.get(k, "none") != "none"}, **saved}
     rows = diff(saved or {}, now)
     if rows:
         key, a, b = rows[0]
