@@ -31,6 +31,13 @@ def test_published_configs_are_the_published_numbers():
     # the 9B's text model, counted on the meta device (no memory): about 9 B parameters
     params = sum(math.prod(s) for _, s in C.checkpoint_tensors("qwen3.5", nine))
     assert 8.5e9 < params < 9.5e9, params
+    # fewer layers at full width keep the pattern; a model cut below one period ends on a full-attention layer, so
+    # the MTP layer (a full-attention layer) has its shapes
+    assert C._config("qwen3.5-9b", {"num_hidden_layers": 6}, 0)[1].layer_types == nine.layer_types[:6]
+    _, two = C._config("qwen3.5-9b", {"num_hidden_layers": 2}, 0)
+    assert two.layer_types == ["linear_attention", "full_attention"]
+    names = dict(C.checkpoint_tensors("qwen3.5", two))
+    assert names["mtp.layers.0.self_attn.q_proj.weight"] == names["model.layers.1.self_attn.q_proj.weight"]
     with pytest.raises(ValueError, match="unknown checkpoint 'qwen9'; choose one of qwen3.5-9b, qwen3.5-35b-a3b"):
         C._config("qwen9", None, 0)
 

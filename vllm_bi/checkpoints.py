@@ -84,8 +84,10 @@ def _config(name: str, overrides: dict | None, eos_id: int):
         from transformers import Qwen3_5MoeTextConfig as Config
     values = dict(base, **(overrides or {}))
     layers = int(values.get("num_hidden_layers", Config().num_hidden_layers))
-    values.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
-                                      for i in range(layers)])
+    # [GDN x3, full] repeated; a model cut below one period ends on a full-attention layer, so that every layer
+    # kind (and the MTP layer's shapes, a full-attention layer's) is in it
+    values.setdefault("layer_types", ["full_attention" if (i + 1) % 4 == 0 or i + 1 == layers < 4
+                                      else "linear_attention" for i in range(layers)])
     values.setdefault("mtp_num_hidden_layers", 1)  # the published checkpoints carry one MTP layer
     cfg = Config(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=eos_id, tie_word_embeddings=False, **values)
     cfg.architectures = [_model_class(family).__name__]

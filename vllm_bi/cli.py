@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("out", help="output directory")
     mc.add_argument("--seed", type=_int(0), default=0)
     mc.add_argument("--layers", type=_int(0), default=0,
-                    help="fewer layers at full width (default: the published count)")
+                    help="fewer layers at full width (default: the published count; below 4 the last is full attention)")
     mc.add_argument("--device", default="cpu", help="where tensors are drawn (cuda is much faster; the bytes are "
                     "the same per device type)")
     mc.add_argument("--entropy", type=_float(0.0, lo_open=True), default=3.0,
