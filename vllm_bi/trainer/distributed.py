@@ -24,6 +24,17 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+SQ_SUM_PIECE = 1 << 24  # elements per float64 piece: 128 MiB of temporaries, whatever the gradient's size
+
+
+def _sq_sum(g: torch.Tensor) -> float:
+    """The sum of squares of ``g`` in float64, taken in fixed pieces of the flattened tensor: a float64 copy of a
+    248K-vocabulary embedding's gradient would need 7.6 GiB at once. Deterministic: the pieces are the same at
+    every call."""
+    flat = g.reshape(-1)
+    return sum(float(p.double().pow(2).sum()) for p in flat.split(SQ_SUM_PIECE))
+
+
 class Dist:
     """``rank``, ``world``; no-op helpers when not under torchrun."""
 
@@ -66,12 +77,12 @@ class Dist:
 
     def sq_norm(self, sharded: list[torch.Tensor], replicated: list[torch.Tensor]) -> float:
         """Squared global norm of gradients: local shards summed over ranks, replicated ones counted once."""
-        local = sum(float(g.to_local().double().pow(2).sum()) if _is_dtensor(g) else 0.0 for g in sharded)
+        local = sum(_sq_sum(g.to_local()) if _is_dtensor(g) else 0.0 for g in sharded)
         if self.world > 1:
             t = torch.tensor([local], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             local = float(t)
-        return local + sum(float(g.double().pow(2).sum()) for g in replicated)
+        return local + sum(_sq_sum(g) for g in replicated)
 
     def broadcast(self, obj):
         if self.world == 1:
