@@ -26,6 +26,9 @@ __all__ = ["gdn_gates", "BLOCK"]
 
 BLOCK = 1024  # elements per program
 THRESHOLD = 20.0  # softplus is x above it (torch's default threshold)
+# Triton links libdevice with denormals flushed to zero by default; torch's CUDA kernels keep them (exp of an input
+# below about -87 is a denormal there, 0 here). No fused multiply-add either: torch rounds each product.
+LAUNCH = {"enable_reflect_ftz": False, "enable_fp_fusion": False}
 
 _KERNEL = None
 
@@ -81,7 +84,7 @@ def _launch(A_log, a, b, dt_bias, libdevice: bool | None = None) -> tuple[torch.
     if n:
         _kernel()[(-(-n // BLOCK),)](a, b, A_log.contiguous(), dt_bias.contiguous(), g, beta, n, HV, a.stride(0),
                                      a.stride(1), b.stride(0), b.stride(1), THRESHOLD=THRESHOLD, BLOCK=BLOCK,
-                                     LIBDEVICE=a.is_cuda if libdevice is None else libdevice)
+                                     LIBDEVICE=a.is_cuda if libdevice is None else libdevice, **LAUNCH)
     return g, beta
 
 
