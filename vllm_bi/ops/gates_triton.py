@@ -5,7 +5,8 @@ The torch path (:mod:`vllm_bi.ops.pointwise`) runs each operation of the formula
 about fifteen per GDN layer and step; at a decode step each costs a few microseconds of GPU time whatever the batch.
 This kernel runs the same operations, in the same order, on each element: the conversions to fp32, the sum
 ``a + dt_bias``, the clamp at 20 and the choice of softplus's branch, libdevice's ``expf`` and ``log1pf`` (the
-functions torch's CUDA kernels call), ``-rate * softplus`` as one product, and ``1 / (1 + exp(-b))`` with an IEEE
+functions torch's CUDA kernels call) with denormals kept as torch's build keeps them (Triton flushes them by
+default: :data:`LAUNCH`), ``-rate * softplus`` as one product, and ``1 / (1 + exp(-b))`` with an IEEE
 division (torch's ``1 / x`` is a reciprocal times one). No product feeds a sum, so the compiler has no multiply-add
 to fuse. On CUDA it is therefore meant to give the torch path's bits; ``tests/gpu/test_gates_cuda.py`` checks that
 with ``torch.equal``, and until a GPU run has, the setting is part of
