@@ -89,6 +89,14 @@ GDN_TILE_AUTO_CUDA = "16x1x3"
 # "triton" (vllm_bi.ops.gates_triton: one kernel, the same operations in the same order, meant to give torch's bits;
 # tests/gpu/test_gates_cuda.py checks that). A change here lands with a GPU run of that test and a gate.
 GDN_GATES_AUTO_CUDA = "torch"
+# How the recurrent mode's server step moves its data on CUDA under VLLM_BI_GDN_IO=auto: "copies" (torch copies: the
+# conv states gathered out of their cache slots and the new requests' zeroed, q, k and v split out of the conv's
+# output, the core's output scattered into the layer's rows, the new conv states stored back) or "direct" (the conv
+# reads and writes the states in their slots and writes q, k and v apart, the recurrent kernel writes the layer's
+# rows: vllm_bi.ops.conv.slot_causal_conv1d). The same arithmetic on the same values, so the same bits by
+# construction; tests/gpu/test_gdn_io_cuda.py checks them with torch.equal. A change here lands with that GPU run
+# and a gate.
+GDN_IO_AUTO_CUDA = "copies"
 # What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
 # device) or "tune" (a table tuned for this device and the served model on a server's first start and cached, the
 # entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a product's
@@ -134,6 +142,11 @@ SETTINGS = (
           "the GDN gates (g from a, A_log and dt_bias; beta from b) on CUDA: torch's elementwise kernels, one per "
           "operation, or one Triton kernel running the same operations (meant to give the same bits; checked by "
           f"tests/gpu/test_gates_cuda.py); CPU runs torch's; auto: {GDN_GATES_AUTO_CUDA}"),
+    _Spec("gdn_io", "auto", ("auto", "copies", "direct"),
+          "how the recurrent GDN server step moves its data on CUDA: torch copies around the kernels (conv states "
+          "gathered and stored, q, k and v split, outputs scattered), or direct (the conv reads and writes its states "
+          "in their cache slots and writes q, k and v apart; the recurrent kernel writes the layer's rows); the same "
+          f"arithmetic either way; CPU copies; auto: {GDN_IO_AUTO_CUDA}"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
@@ -236,6 +249,7 @@ class Settings:
     rowwise: str = "auto"
     gdn_tile: str = "auto"
     gdn_gates: str = "auto"
+    gdn_io: str = "auto"
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
@@ -320,6 +334,13 @@ class Settings:
         if self.gdn_gates == "auto":
             return GDN_GATES_AUTO_CUDA if device == "cuda" else "torch"
         return self.gdn_gates
+
+    def gdn_io_op(self, device: str) -> str:
+        """How the recurrent GDN server step moves its data on ``device``: ``copies`` or ``direct`` (CUDA, or CPU in
+        Triton's interpreter when set explicitly, for tests)."""
+        if self.gdn_io == "auto":
+            return GDN_IO_AUTO_CUDA if device == "cuda" else "copies"
+        return self.gdn_io
 
     def recurrent_tile(self, device: str) -> str:
         """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES``); ``none`` where no

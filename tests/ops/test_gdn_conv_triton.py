@@ -4,7 +4,8 @@ float64 formula (within 1e-2 absolute + 1e-2 relative: bf16 output), a sequence'
 in a packed batch, exactly; the backward's gradients of x, weight and the conv states against float64
 autograd of the formula (relative L2 <= 1e-2: bf16 inputs, fp32 arithmetic). The ring conv (the chunk mode's
 decode: rows read in place, q, k, v written apart) == the plain kernel on the same rows gathered, exactly
-(``tests/conv_ring_case.py``). Invariance and speed in compiled form are measured on the GPU
+(``tests/conv_ring_case.py``); so does the slot conv (states read and written in their cache slots) equal the
+copying path (``tests/conv_slot_case.py``). Invariance and speed in compiled form are measured on the GPU
 (tests/gpu/test_gdn_conv_cuda.py)."""
 
 import os
@@ -77,6 +78,17 @@ def test_ring_conv_logic_in_interpreter():
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = f"import sys; sys.path.insert(0, {tests!r}); from conv_ring_case import check_ring_conv; " \
              "check_ring_conv('cpu'); print('ok')"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_slot_conv_logic_in_interpreter():
+    """The conv with its states read in and written back into their cache slots (the recurrent server step under
+    ``VLLM_BI_GDN_IO=direct``) == the copying path, exactly (``tests/conv_slot_case.py``)."""
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = f"import sys; sys.path.insert(0, {tests!r}); from conv_slot_case import check_slot_conv; " \
+             "check_slot_conv('cpu'); print('ok')"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

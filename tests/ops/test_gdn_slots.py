@@ -282,3 +282,86 @@ def test_recurrent_tiles_in_interpreter(interpreted):
     order follows the tile; the interpreter sums in numpy's order, so that control is the GPU benchmark's
     ``bits = fla`` column, ``benchmarks/gdn_recurrent_tiles.py``.)"""
     interpreted(TILES)
+
+
+GLUE_IO = """
+import os
+import sys
+import types
+from unittest import mock
+import torch
+sys.path.insert(0, TESTS)
+import test_gdn_glue as T
+from vllm_bi import settings
+from vllm_bi.gdn import layer as L
+from vllm_bi.model_executor import gdn as G
+from vllm_bi.ops.conv import triton_causal_conv1d
+
+torch_varlen = L.causal_conv1d_varlen
+
+
+def triton_varlen(x, cu, weight, conv_states, activation):
+    # the copying path with CUDA's conv kernel (on CPU it runs the torch conv, whose bits are its own)
+    seq, pos, starts, _ = L._slot_conv_index(tuple(cu), "cpu")
+    y = triton_causal_conv1d(x, weight, conv_states, seq.int(), pos.int(), starts, activation is not None)
+    return y, torch_varlen(x, cu, weight, conv_states, activation)[1]
+
+
+gen = torch.Generator().manual_seed(1)
+n_dec = 3
+decode_md = types.SimpleNamespace(
+    num_actual_tokens=n_dec, num_spec_decodes=0, spec_sequence_masks=None,
+    non_spec_query_start_loc=torch.arange(n_dec + 1), non_spec_state_indices_tensor=torch.tensor([2, 5, 1]),
+    num_decodes=n_dec, num_decode_tokens=n_dec, num_prefills=0, has_initial_state=torch.ones(n_dec, dtype=torch.bool))
+
+
+def step(io, dim_first, layer, md, rows, no_fresh=False):
+    os.environ["VLLM_BI_GDN_IO"] = io
+    settings.reload()
+    pad = 2  # rows past the step's, as a padded (CUDA-graph) batch has
+    g = torch.Generator().manual_seed(rows)
+    proj = torch.randn(rows + pad, T.D + 7, generator=g).bfloat16()
+    a, b = (torch.randn(rows + pad, T.HV, generator=g).bfloat16() for _ in range(2))
+    o = torch.zeros(rows + pad, T.HV, T.V, dtype=torch.bfloat16)
+    with mock.patch("vllm.model_executor.layers.mamba.mamba_utils.is_conv_state_dim_first", return_value=dim_first), \\
+            mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "_kv_layout", return_value=True), \\
+            mock.patch.object(G, "_in_place", return_value=True), \\
+            mock.patch.object(L, "causal_conv1d_varlen", triton_varlen), \\
+            mock.patch.object(G.StepPlan, "fresh_flags", lambda self: None) if no_fresh else mock.MagicMock(), \\
+            mock.patch.object(G, "gather_slots", side_effect=AssertionError("gathered")) if io == "direct" \\
+            else mock.MagicMock():
+        G.bi_gdn_core(layer, proj[:, : T.D], b, a, o)  # mixed_qkv: a column slice of the projection
+    return o
+
+
+for dim_first in (False, True):
+    base = T.mk(dim_first)
+    base.kv_cache = (base.kv_cache[0], T.kv_order(base.kv_cache[1]))
+    runs = {}
+    for io in ("copies", "direct"):
+        layer = types.SimpleNamespace(**vars(base))
+        layer.kv_cache = tuple(c.clone() for c in base.kv_cache)
+        outs = [step(io, dim_first, layer, T.md, T.T), step(io, dim_first, layer, decode_md, n_dec)]
+        runs[io] = (outs, layer.kv_cache)
+    (o1, c1), (o2, c2) = runs["copies"], runs["direct"]
+    assert o1[0].abs().sum() > 0 and o1[1].abs().sum() > 0
+    for x, y in zip(o1 + list(c1), o2 + list(c2)):
+        assert torch.equal(x, y), (dim_first, float((x.float() - y.float()).abs().max()))
+    # control: a new request that does not start from zeros reads its slot's old conv rows and state
+    layer = types.SimpleNamespace(**vars(base))
+    layer.kv_cache = tuple(c.clone() for c in base.kv_cache)
+    assert not torch.equal(step("direct", dim_first, layer, T.md, T.T, no_fresh=True), o1[0]), dim_first
+print("ok")
+"""
+
+
+def test_direct_io_glue_equals_the_copying_glue_in_interpreter(interpreted):
+    """``VLLM_BI_GDN_IO=direct`` (the conv reading and writing its states in their slots, q, k and v written apart,
+    the kernel writing the layer's rows) == the copying glue, bit for bit, through Triton's interpreter with CUDA's
+    conv kernel on both sides: a step of decodes and prefills with a new request, then a step of decodes planned
+    without the host, from a column slice of a wider projection, with padding rows past the step's; outputs, conv
+    caches and state slots, in both conv-cache layouts. Control: without the new-request flags the outputs differ."""
+    import os
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    interpreted(f"TESTS = {tests!r}\n" + GLUE_IO)

@@ -131,6 +131,17 @@ def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
     return host_to(torch.cat(host), device).split([h.numel() for h in host])
 
 
+@functools.lru_cache(maxsize=_INDEX_CACHE)
+def _slot_conv_index(cu_seqlens: tuple[int, ...], device: str):
+    """:func:`vllm_bi.ops.conv.slot_causal_conv1d`'s indices for one batch layout (built once, shared, read only), on
+    ``device``: each token's sequence and position, each sequence's first row and length."""
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    host = [seq, torch.arange(int(cu[-1])) - cu[seq], cu[:-1], lens]
+    return host_to(torch.cat(host), device).split([h.numel() for h in host])
+
+
 def _conv_torch(x, weight, conv_states, idx, activation):
     """The conv of :func:`causal_conv1d_varlen` in differentiable torch ops: one gather per tap from
     ``src = [all conv states; x]``, rows ``idx`` (tap w's rows at ``w*T .. (w+1)*T``, from ``_conv_index``)."""
@@ -206,8 +217,19 @@ class RingRows:
         return rows[torch.arange(T, device=dev) + self.seq * (W - 1) + (W - 1)], conv
 
 
+class SlotRows:
+    """The conv's input rows of a server step with every conv state read from, and the new ones written back into,
+    vLLM's conv cache slots (CUDA, the recurrent mode; :func:`vllm_bi.ops.conv.slot_causal_conv1d`): ``x [T, D]``
+    the step's rows (a column slice of the projection, read where it lies), ``cache [S, W-1, D]`` (``[S, D, W-1]``
+    with ``dim_first``). The slots and new-request flags are :func:`gdn_varlen`'s ``slots`` and ``fresh``, the
+    states' own."""
+
+    def __init__(self, x: torch.Tensor, cache: torch.Tensor, dim_first: bool):
+        self.x, self.cache, self.dim_first = x, cache, dim_first
+
+
 def gdn_varlen(
-    mixed_qkv: torch.Tensor | RingRows,
+    mixed_qkv: torch.Tensor | RingRows | SlotRows,
     ranges: list[tuple[int, int]],
     conv_weight: torch.Tensor,
     conv_states: torch.Tensor,
@@ -228,6 +250,7 @@ def gdn_varlen(
     gating: str = "gdn",
     lower_bound: float | None = None,
     spec_slots: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Several sequences through the GDN core at once: :func:`gdn_sequence` for a packed batch.
 
@@ -240,7 +263,9 @@ def gdn_varlen(
     (zeros for a new sequence). The conv and the gating are elementwise per token and the
     recurrence is :func:`gdn_recurrent_varlen`, so no sequence's numbers depend on the others.
     ``mixed_qkv`` may be :class:`RingRows` (no autograd; the sequences packed in order; ``conv_states`` unused),
-    and the new conv states are then None on CUDA.
+    and the new conv states are then None on CUDA. ``mixed_qkv`` may be :class:`SlotRows` (the recurrent mode with
+    ``slots``, CUDA, no autograd, the sequences packed in order): the conv states are read in and written back into
+    their cache slots, ``conv_states`` is unused and the new conv states are None.
     Returns ``(outputs per sequence [e-s, HV, V], new conv states [N, W-1, D], new fp32 states)``; with
     ``packed=True`` the outputs are one tensor ``[sum(e-s), HV, V]``, the sequences in order. Under autograd
     take the packed form: each per-sequence slice costs the backward a zero tensor of the whole output's size
@@ -259,6 +284,9 @@ def gdn_varlen(
     (:func:`vllm_bi.gdn.chunk_decode.padded_blocks_in_slots`: nothing read on the host; rows past ``lens`` are not
     written).
 
+    ``out [T, HV, V]`` (the recurrent mode with ``slots``; contiguous, ``v``'s dtype): the packed output is
+    written there and returned, rather than into a new tensor.
+
     ``gating="kda"`` (with ``lower_bound``): Kimi Delta Attention's per-channel gate (:func:`gates`); the recurrent
     and chunk modes on CPU, the recurrent mode on CUDA, anything else refused by name.
     """
@@ -268,6 +296,16 @@ def gdn_varlen(
     for s, e in ranges:
         cu.append(cu[-1] + (e - s))
     ring = mixed_qkv if isinstance(mixed_qkv, RingRows) else None
+    slotted = mixed_qkv if isinstance(mixed_qkv, SlotRows) else None
+    if slotted is not None:
+        if slots is None or mode != "recurrent" or spec_slots is not None:
+            raise ValueError("gdn_varlen: SlotRows need the recurrent mode's slots (and no spec_slots)")
+        if torch.is_grad_enabled() and conv_weight.requires_grad:
+            raise RuntimeError("gdn_varlen: SlotRows (the server's conv in its cache slots) has no backward; the "
+                               "trainer passes its mixed_qkv rows as a tensor")
+        mixed_qkv = slotted.x
+    if out is not None and (slots is None or mode != "recurrent"):
+        raise ValueError("gdn_varlen: out is the recurrent mode's with slots")
     if ring is not None and torch.is_grad_enabled() and conv_weight.requires_grad:
         raise RuntimeError("gdn_varlen: RingRows (the server's decode conv) has no backward; the trainer passes "
                            "its mixed_qkv rows as a tensor")
@@ -277,8 +315,8 @@ def gdn_varlen(
     if all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1)):  # packed in order: views
         x_in = None if ring is not None else mixed_qkv[ranges[0][0] : ranges[-1][1]]
         a, b = (t[ranges[0][0] : ranges[-1][1]] for t in (a, b))
-    elif ring is not None:
-        raise ValueError("gdn_varlen: RingRows need the sequences packed in order")
+    elif ring is not None or slotted is not None:
+        raise ValueError("gdn_varlen: RingRows and SlotRows need the sequences packed in order")
     else:
         rows = rows_of(ranges, a.device)
         x_in, a, b = mixed_qkv[rows], a[rows], b[rows]
@@ -286,6 +324,14 @@ def gdn_varlen(
         from vllm_bi.ops.conv import ring_causal_conv1d
 
         q, k, v = ring_causal_conv1d(ring.src, ring.ext, ring.seq, conv_weight, activation is not None, key_dim)
+        new_conv, T = None, q.shape[0]
+        q, k, v = q.view(T, num_k_heads, head_k_dim), k.view(T, num_k_heads, head_k_dim), v.view(T, -1, head_v_dim)
+    elif slotted is not None:  # the conv states in their slots, q, k and v written apart
+        from vllm_bi.ops.conv import slot_causal_conv1d
+
+        seq, pos, starts, lens = (kept(t) for t in _slot_conv_index(tuple(cu), str(x_in.device)))
+        q, k, v = slot_causal_conv1d(x_in, conv_weight, slotted.cache, slotted.dim_first, slots, fresh, seq, pos,
+                                     starts, lens, activation is not None, key_dim)
         new_conv, T = None, q.shape[0]
         q, k, v = q.view(T, num_k_heads, head_k_dim), k.view(T, num_k_heads, head_k_dim), v.view(T, -1, head_v_dim)
     else:
@@ -300,7 +346,7 @@ def gdn_varlen(
     if slots is not None:
         if mode == "recurrent":
             o = recurrent_in_slots(q, k, v, g, beta, states, slots, index_on(cu, q.device), head_k_dim**-0.5,
-                                   fresh, spec_slots=spec_slots)
+                                   fresh, spec_slots=spec_slots, out=out)
         elif mode == "chunk" and lens is not None:
             o = padded_blocks_in_slots(q, k, v, g.contiguous(), beta.contiguous(), states, slots, lens,
                                        head_k_dim**-0.5)

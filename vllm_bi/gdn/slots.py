@@ -181,7 +181,7 @@ def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: i
 def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor, scale: float,
                        fresh: torch.Tensor | None = None, spec_slots: torch.Tensor | None = None,
-                       tile: Tile | None = None) -> torch.Tensor:
+                       tile: Tile | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run packed sequences through the recurrence, each from and into its state slot.
 
     ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a decay per key
@@ -200,13 +200,17 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     ``+0.0``). A destination may be the source slot: each program reads its tile of the source once, before its
     first token, and no two programs touch the same tile. The slots written must differ between sequences.
 
-    ``tile``: how the work is cut (default :func:`current_tile`, ``VLLM_BI_GDN_TILE``); each tile has its own bits."""
+    ``tile``: how the work is cut (default :func:`current_tile`, ``VLLM_BI_GDN_TILE``); each tile has its own bits.
+    ``out``: where ``o`` goes (``[T, HV, V]``, contiguous, ``v.dtype``; the caller's buffer), else a new tensor."""
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     check_slot_pool("recurrent_in_slots", q, pool, HV, K, V)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     N = slots.shape[0]
-    o = torch.empty_like(v)
+    if out is not None and (out.shape != v.shape or out.dtype != v.dtype or not out.is_contiguous()):
+        raise ValueError(f"recurrent_in_slots: out must be a contiguous {tuple(v.shape)} {v.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    o = torch.empty_like(v) if out is None else out
     if N == 0 or T == 0:
         return o
     tile = current_tile() if tile is None else tile

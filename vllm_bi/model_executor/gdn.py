@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from vllm_bi.gdn.chunk import CHUNK, gdn_mode
-from vllm_bi.gdn.layer import RingRows, gdn_varlen
+from vllm_bi.gdn.layer import RingRows, SlotRows, gdn_varlen
 from vllm_bi.ops.device import host_to, index_on, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
@@ -178,6 +178,10 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
         _chunk_core(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first, kv_layout)
         if debug_nonfinite():
             _check_finite(layer, "output", plan, out, None, None, ssm_cache)
+        return
+    if (kv_layout and _in_place(dev) and _direct_io(dev) and not is_kda(layer) and _in_order(plan.ranges)
+            and out.dtype == mixed_qkv.dtype):
+        _recurrent_direct(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first)
         return
     conv_states = gather_slots(conv_cache, slot_t, plan.fresh)
     if dim_first:
@@ -496,6 +500,29 @@ def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, 
         store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
     out[plan.rows] = o.to(out.dtype)
     return new_conv
+
+
+def _direct_io(dev: torch.device) -> bool:
+    """Whether the recurrent step runs without torch copies around its kernels (``VLLM_BI_GDN_IO``)."""
+    from vllm_bi.settings import current
+
+    return current().gdn_io_op(torch.device(dev).type) == "direct"
+
+
+def _in_order(ranges: list[tuple[int, int]]) -> bool:
+    """Whether a step's sequences are its first rows, packed in order."""
+    return ranges[0][0] == 0 and all(ranges[j][1] == ranges[j + 1][0] for j in range(len(ranges) - 1))
+
+
+def _recurrent_direct(layer, mixed_qkv, b, a, out, plan, conv_cache, ssm_cache, weight, dim_first) -> None:
+    """:func:`_recurrent_step` with nothing copied around the kernels (``VLLM_BI_GDN_IO=direct``): the conv reads
+    each request's conv state in its slot (zeros for a new one) and writes the new one back
+    (:class:`vllm_bi.gdn.layer.SlotRows`), q, k and v come out of it apart, and the recurrent kernel writes the
+    layer's rows of ``out``. The same operations on the same values as the copying path, so the same bits."""
+    T = plan.ranges[-1][1]
+    gdn_varlen(SlotRows(mixed_qkv, conv_cache, dim_first), plan.ranges, weight, None, layer.A_log, a, b,
+               layer.dt_bias, state_memory(ssm_cache, True), *_dims(layer), packed=True, slots=plan.slot_t,
+               fresh=plan.fresh_flags(), out=out[:T], **_gating(layer))
 
 
 def _in_place(dev: torch.device) -> bool:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["triton_causal_conv1d", "triton_causal_conv1d_backward", "CausalConv1dTriton", "ring_causal_conv1d"]
+__all__ = ["triton_causal_conv1d", "triton_causal_conv1d_backward", "CausalConv1dTriton", "ring_causal_conv1d",
+           "slot_causal_conv1d"]
 
 BLOCK_T, BLOCK_D = 16, 256
 # The ring conv's tiles (tokens, channels, warps): the fastest of benchmarks/decode_tiles.py's settings on the H200
@@ -79,6 +80,15 @@ if triton is not None:
         tl.store(y_ptr + t.to(tl.int64)[:, None] * D + dd, acc.to(y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def store_qkv(q_ptr, k_ptr, v_ptr, t, dd, m, y, D, KD: tl.constexpr):
+        # the conv's output columns [0, KD), [KD, 2KD) and [2KD, D) into q, k and v, each contiguous
+        y = y.to(q_ptr.dtype.element_ty)
+        tt = t.to(tl.int64)[:, None]
+        tl.store(q_ptr + tt * KD + dd, y, mask=m & (dd < KD))
+        tl.store(k_ptr + tt * KD + (dd - KD), y, mask=m & (dd >= KD) & (dd < 2 * KD))
+        tl.store(v_ptr + tt * (D - 2 * KD) + (dd - 2 * KD), y, mask=m & (dd >= 2 * KD))
+
+    @triton.jit
     def causal_conv1d_ring_kernel(src_ptr, ext_ptr, w_ptr, seq_ptr, q_ptr, k_ptr, v_ptr, T, D, R, s_slot, s_row,
                                   s_col, KD: tl.constexpr, W: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
                                   BD: tl.constexpr):
@@ -99,11 +109,61 @@ if triton is not None:
             at = (r // R) * s_slot + (r % R) * s_row
             xv = tl.load(src_ptr + at[:, None] + dd * s_col, mask=m & (r >= 0)[:, None], other=0.0)
             acc += xv.to(tl.float32) * wv[None, :]
-        y = act(acc, SILU).to(q_ptr.dtype.element_ty)
-        tt = t.to(tl.int64)[:, None]
-        tl.store(q_ptr + tt * KD + dd, y, mask=m & (dd < KD))
-        tl.store(k_ptr + tt * KD + (dd - KD), y, mask=m & (dd >= KD) & (dd < 2 * KD))
-        tl.store(v_ptr + tt * (D - 2 * KD) + (dd - 2 * KD), y, mask=m & (dd >= 2 * KD))
+        store_qkv(q_ptr, k_ptr, v_ptr, t, dd, m, act(acc, SILU), D, KD)
+
+    @triton.jit
+    def slot_tap(x_ptr, sx, cache_ptr, base, keep, c_row, c_col, p, s0, dd, m, w, W: tl.constexpr):
+        # tap's ext_j[p + w] with x_j's rows in x (row stride sx) and conv_state_j's rows in its cache slot (base: the
+        # slot's offset per token); a new request's (keep false) read as zeros
+        i = p + (w - (W - 1))
+        in_x = (i >= 0)[:, None]
+        xv = tl.load(x_ptr + (s0 + i)[:, None] * sx + dd, mask=m & in_x, other=0.0)
+        sv = tl.load(cache_ptr + base[:, None] + ((W - 1) + i)[:, None] * c_row + dd * c_col,
+                     mask=m & (~in_x) & keep[:, None], other=0.0)
+        return tl.where(in_x, xv, sv.to(xv.dtype)).to(tl.float32)
+
+    @triton.jit
+    def causal_conv1d_slots_kernel(x_ptr, sx, w_ptr, cache_ptr, c_slot, c_row, c_col, slots_ptr, fresh_ptr,
+                                   seq_ptr, pos_ptr, start_ptr, q_ptr, k_ptr, v_ptr, T, D, KD: tl.constexpr,
+                                   W: tl.constexpr, SILU: tl.constexpr, HAS_FRESH: tl.constexpr, BT: tl.constexpr,
+                                   BD: tl.constexpr):
+        # causal_conv1d_kernel's arithmetic with each sequence's conv state read in its cache slot, the output
+        # columns written apart as the ring kernel writes them
+        t, d, mt, md, j, p, s0, dd, m = rows(seq_ptr, pos_ptr, start_ptr, T, D, BT, BD)
+        base = tl.load(slots_ptr + j, mask=mt, other=0).to(tl.int64) * c_slot
+        keep = mt
+        if HAS_FRESH:
+            keep = keep & (tl.load(fresh_ptr + j, mask=mt, other=1) == 0)
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for w in tl.static_range(W):
+            wv = wtap(w_ptr, d, md, w, W)
+            acc += slot_tap(x_ptr, sx, cache_ptr, base, keep, c_row, c_col, p, s0, dd, m, w, W) * wv[None, :]
+        store_qkv(q_ptr, k_ptr, v_ptr, t, dd, m, act(acc, SILU), D, KD)
+
+    @triton.jit
+    def conv_state_to_slots_kernel(x_ptr, sx, cache_ptr, c_slot, c_row, c_col, slots_ptr, fresh_ptr, start_ptr,
+                                   len_ptr, D, W: tl.constexpr, BW: tl.constexpr, HAS_FRESH: tl.constexpr,
+                                   BD: tl.constexpr):
+        # sequence j's new conv state, the last W - 1 rows of ext_j = [conv_state_j; x_j], into its slot in place:
+        # row r is ext_j[n_j + r], a row of x or a later row of the old state; every load precedes every store
+        j = tl.program_id(0)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        dd = d.to(tl.int64)[None, :]
+        r = tl.arange(0, BW).to(tl.int64)
+        n = tl.load(len_ptr + j).to(tl.int64)
+        s0 = tl.load(start_ptr + j).to(tl.int64)
+        base = cache_ptr + tl.load(slots_ptr + j).to(tl.int64) * c_slot
+        e = n + r
+        from_x = (e >= W - 1)[:, None]
+        m = (r < W - 1)[:, None] & (d < D)[None, :]
+        xv = tl.load(x_ptr + (s0 + e - (W - 1))[:, None] * sx + dd, mask=m & from_x, other=0.0)
+        keep = m & (~from_x)
+        if HAS_FRESH:
+            keep = keep & (tl.load(fresh_ptr + j + 0 * r) == 0)[:, None]  # the flag per row (a vector mask)
+        sv = tl.load(base + e[:, None] * c_row + dd * c_col, mask=keep, other=0.0)
+        new = tl.where(from_x, xv, sv.to(xv.dtype)).to(cache_ptr.dtype.element_ty)
+        tl.debug_barrier()  # a row stored below may be another thread's old row loaded above
+        tl.store(base + r[:, None] * c_row + dd * c_col, new, mask=m)
 
     @triton.jit
     def conv_bwd_dz_kernel(x_ptr, w_ptr, st_ptr, seq_ptr, pos_ptr, start_ptr, gy_ptr, dz_ptr, dw_ptr, T, D,
@@ -219,6 +279,51 @@ def ring_causal_conv1d(src: torch.Tensor, ext: torch.Tensor, seq: torch.Tensor, 
         causal_conv1d_ring_kernel[_grid(T, D, bt, bd)](
             src, ext, weight.contiguous(), seq, q, k, v, T, D, src.shape[1], *src.stride(), KD=key_dim, W=W,
             SILU=silu, BT=bt, BD=bd, num_warps=warps)
+    return q, k, v
+
+
+STATE_BLOCK_D = 512  # channels per program of the conv-state update (its W - 1 rows each)
+
+
+def slot_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, dim_first: bool,
+                       slots: torch.Tensor, fresh: torch.Tensor | None, seq: torch.Tensor, pos: torch.Tensor,
+                       starts: torch.Tensor, lens: torch.Tensor, silu: bool, key_dim: int,
+                       blocks: tuple[int, int, int] = (BLOCK_T, BLOCK_D, 4)
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`triton_causal_conv1d`'s outputs, bit for bit, with each sequence's conv state read in vLLM's conv cache
+    and its new one written back there (no autograd): a server step without the gather of the states, the zeroing of
+    the new requests' and the store of the new ones.
+
+    ``x [T, D]`` the step's rows, sequence ``j`` owning rows ``starts[j] .. starts[j] + lens[j]`` (any row stride:
+    a column slice of the projection is read where it lies); ``cache [S, W-1, D]`` (``[S, D, W-1]`` with
+    ``dim_first``; any strides), sequence ``j``'s state in slot ``slots[j]``, or zeros where ``fresh[j]`` is nonzero;
+    per token its sequence ``seq`` and position ``pos``. Two launches: the conv, which reads every old state, then
+    the update, which writes the new ones (the last ``W - 1`` rows of ``[state_j; x_j]``, rounded through ``x``'s
+    dtype as the gathered path rounds them). Slots written must differ between sequences, except vLLM's padding
+    rows' (slot 0, the null block). Returns ``(q [T, key_dim], k [T, key_dim], v [T, D - 2 * key_dim])``, each
+    contiguous, in ``x``'s dtype."""
+    _kernels()  # Triton is there
+    T, D = x.shape
+    W = weight.shape[-1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    c = cache.transpose(1, 2) if dim_first else cache  # [S, W-1, D] seen
+    if c.shape[1] != W - 1 or c.shape[2] != D:
+        raise ValueError(f"slot_causal_conv1d: conv cache slots {tuple(c.shape[1:])} (rows, channels) do not hold "
+                         f"the {W - 1} x {D} state of a width-{W} conv")
+    bt, bd, warps = blocks
+    q, k = (torch.empty(T, key_dim, dtype=x.dtype, device=x.device) for _ in range(2))
+    v = torch.empty(T, D - 2 * key_dim, dtype=x.dtype, device=x.device)
+    N = slots.shape[0]
+    flags = fresh if fresh is not None else slots
+    if T:
+        causal_conv1d_slots_kernel[_grid(T, D, bt, bd)](
+            x, x.stride(0), weight.contiguous(), c, *c.stride(), slots, flags, seq, pos, starts, q, k, v, T, D,
+            KD=key_dim, W=W, SILU=silu, HAS_FRESH=fresh is not None, BT=bt, BD=bd, num_warps=warps)
+    if N:
+        conv_state_to_slots_kernel[(N, triton.cdiv(D, STATE_BLOCK_D))](
+            x, x.stride(0), c, *c.stride(), slots, flags, starts, lens, D, W=W,
+            BW=triton.next_power_of_2(max(W - 1, 1)), HAS_FRESH=fresh is not None, BD=STATE_BLOCK_D, num_warps=4)
     return q, k, v
 
 
