@@ -200,6 +200,7 @@ def server_step(shape: Shape, mode: str, dev: str):
     def step():
         G.bi_gdn_core(layer, mixed, b, a, out)
 
+    step.out, step.caches = out, layer.kv_cache  # what a step writes, for callers comparing two glues' bits
     with mock.patch.object(G, "_metadata", return_value=md), mock.patch.object(G, "gdn_mode", return_value=mode):
         yield step
 
