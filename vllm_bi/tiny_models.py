@@ -295,9 +295,10 @@ def build_tiny_model(
 
 
 def kimi_linear_config(vocab_size: int = 512, hidden: int = 64, layers: int = 4, gate_lower_bound=-5.0,
-                       eos_token_id: int = 0) -> dict:
+                       eos_token_id: int = 0, kv_lora_rank: int = 256) -> dict:
     """A small Kimi Linear ``config.json``: KDA layers at the odd places (1-based, as the config counts), MLA with no
-    rotary at the even ones (a latent of 256 + 64: vLLM's MLA metadata takes latent heads of 320, 512 and 576 only;
+    rotary at the even ones (a latent of ``kv_lora_rank`` 256 + 64: vLLM's MLA metadata takes latent heads of 320, 512
+    and 576 only, and stock vLLM's fused Kimi K3 MLA prefill kernel a latent of 512 only;
     heads of 128 + 64 for queries and keys and 128 for values, Kimi Linear 48B's, which vLLM's CUDA MLA prefill
     backends take), a dense first MLP, then a sigmoid-routed MoE of 4 experts (top 2) and a shared one."""
     return {
@@ -306,7 +307,7 @@ def kimi_linear_config(vocab_size: int = 512, hidden: int = 64, layers: int = 4,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": hidden // 2, "hidden_act": "silu",
         "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False,
         "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id, "dtype": "bfloat16",
-        "q_lora_rank": None, "kv_lora_rank": 256, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "q_lora_rank": None, "kv_lora_rank": kv_lora_rank, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
         "mla_use_nope": True, "mla_use_output_gate": False,
         "num_experts": 4, "num_experts_per_token": 2, "num_shared_experts": 1, "moe_intermediate_size": hidden,
         "moe_renormalize": True, "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446,

@@ -6,16 +6,19 @@ tiny random Kimi Linear (``tiny_models.build_tiny_kimi_linear``) with a real `vl
   requests of random lengths, prompts split by ``--max-num-batched-tokens 64``; tokens and logprobs ``torch.equal``;
 * trainer == server: every sampled token's logprob recomputed by vllm_bi's Kimi Linear trainer model on CUDA
   (``vllm_bi.parity.run_parity`` against the running server) is bitwise equal;
-* negative control: a stock server (``VLLM_BATCH_INVARIANT=0``) of the same checkpoint is expected to differ from the
-  trainer somewhere. If it matches bit for bit (or does not start) the test reports it as an xfail naming what happened,
+* negative control: a stock server (``VLLM_BATCH_INVARIANT=0``) of the same model with a KV latent of 512 (stock vLLM's
+  fused Kimi K3 MLA prefill kernel takes no other; the batch-invariant server never runs it) is expected to differ
+  from the trainer somewhere. If it matches bit for bit (or does not start) the test reports it as an xfail naming what happened,
   not as a pass.
 
 On the device: `scripts/gpu_run.sh install`, then `pytest -m gpu tests/gpu/test_kimi_linear_cuda.py` (two server
 starts, about three minutes on one H100 / H200).
 """
 
+import json
 import os
 import random
+import shutil
 
 import pytest
 from gpu_env import require_cuda_vllm_fla
@@ -28,7 +31,7 @@ import torch  # noqa: E402
 
 from vllm_bi.launcher import VllmServer, cpu_env  # noqa: E402
 from vllm_bi.parity import run_parity  # noqa: E402
-from vllm_bi.tiny_models import build_tiny_model  # noqa: E402
+from vllm_bi.tiny_models import build_tiny_kimi_linear, build_tiny_model  # noqa: E402
 
 ARGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
         "--gpu-memory-utilization", "0.15"]
@@ -96,6 +99,17 @@ def test_trainer_equals_server(model, bi_server):
     assert rep.tokens >= 64 and rep.ok, rep.table()
 
 
+def _latent_512(model, tmp_path_factory) -> str:
+    """``model``'s tokenizer and dimensions with a KV latent of 512 (new random weights)."""
+    path = str(tmp_path_factory.mktemp("m512") / "kimi-linear-512")
+    shutil.copytree(model, path)
+    os.remove(os.path.join(path, "vllm_bi_tiny.json"))  # no longer the stamped tiny model
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    build_tiny_kimi_linear(path, 0, vocab_size=cfg["vocab_size"], eos_token_id=cfg["eos_token_id"], kv_lora_rank=512)
+    return path
+
+
 def test_stock_server_differs_from_the_trainer(model, kimi_env, tmp_path_factory):
     """Negative control: the same comparison against stock vLLM on CUDA (its KDA and MLA kernels, its router). Its MLA
     backend is TRITON_MLA, as the BI server's: the staged GPU install keeps only the compiled modules BI serving loads
@@ -103,6 +117,7 @@ def test_stock_server_differs_from_the_trainer(model, kimi_env, tmp_path_factory
     (``VLLM_KIMI_K3_GEMM_AR=0``, as on the BI side): its module imports NVIDIA's CuTe DSL (``cutlass``), which the
     staged install lacks, and with it on the stock server failed at start."""
     log = str(tmp_path_factory.mktemp("logs") / "kimi-stock.log")
+    model = _latent_512(model, tmp_path_factory)
     env = cpu_env(False, {**{k: v for k, v in KIMI_ENV.items() if not k.startswith("VLLM_BI_")},
                           "VLLM_KIMI_K3_GEMM_AR": "0"})
     try:
