@@ -4,7 +4,7 @@ process: with torch copies around the kernels (``VLLM_BI_GDN_IO=copies``, the de
 writing the layer's rows), each with the gates as torch's elementwise kernels or one Triton kernel
 (``VLLM_BI_GDN_GATES``); and stock's core (fla-core's conv and chunked / fused recurrent kernels) for scale.
 
-    python benchmarks/gdn_server_io.py [--shapes prefill:64x1024,decode:64x1,decode:256x1] [--out io.md]
+    python benchmarks/gdn_server_io.py [--shapes prefill:64x1024,decode:64x1,decode:256x1] [--no-stock] [--out io.md]
 
 Each row: the step's wall time (CUDA events, median) and GPU time (kernels and copies, torch.profiler: what a decode
 step replayed in a CUDA graph pays), and whether the side's outputs, conv cache and state slots after one step equal
@@ -50,6 +50,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="prefill:64x1024,prefill:8x8192,decode:64x1,decode:256x1")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--stock", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time stock's core (its first calls autotune fla-core's kernels: minutes)")
     ap.add_argument("--out", default=None, help="also write the table to this file (rewritten after each row)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -74,7 +76,7 @@ def main() -> int:
         print(line)
     write()
     for sh in shapes:
-        s_wall, s_gpu = time_stock_forward(sh, "cuda", args.reps)
+        s_wall, s_gpu = time_stock_forward(sh, "cuda", args.reps) if args.stock else (float("nan"),) * 2
         cells, ref = [], None
         for io, gates in SIDES:
             wall, gpu, first = side_step(sh, io, gates, "cuda", args.reps)
