@@ -74,21 +74,20 @@ def test_triton_conv_logic_in_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-def test_ring_conv_logic_in_interpreter():
+def _run_case(module: str, check: str) -> None:
+    """``tests/<module>.py``'s ``check('cpu')`` in a subprocess under Triton's interpreter."""
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = f"import sys; sys.path.insert(0, {tests!r}); from conv_ring_case import check_ring_conv; " \
-             "check_ring_conv('cpu'); print('ok')"
+    script = f"import sys; sys.path.insert(0, {tests!r}); from {module} import {check}; {check}('cpu'); print('ok')"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+def test_ring_conv_logic_in_interpreter():
+    _run_case("conv_ring_case", "check_ring_conv")
 
 
 def test_slot_conv_logic_in_interpreter():
     """The conv with its states read in and written back into their cache slots (the recurrent server step under
     ``VLLM_BI_GDN_IO=direct``) == the copying path, exactly (``tests/conv_slot_case.py``)."""
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = f"import sys; sys.path.insert(0, {tests!r}); from conv_slot_case import check_slot_conv; " \
-             "check_slot_conv('cpu'); print('ok')"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    _run_case("conv_slot_case", "check_slot_conv")
