@@ -27,9 +27,13 @@ SIDES = (("copies", "torch"), ("direct", "torch"), ("copies", "triton"), ("direc
 
 
 def parse_shape(text: str) -> Shape:
-    kind, dims = text.split(":")
-    n, t = (int(x) for x in dims.split("x"))
-    if kind not in ("prefill", "decode") or (kind == "decode" and t != 1):
+    """``prefill:NxT`` (N new sequences of T tokens) or ``decode:Nx1`` (N sequences, one token each)."""
+    try:
+        kind, dims = text.split(":")
+        n, t = (int(x) for x in dims.split("x"))
+    except ValueError:
+        raise ValueError(f"{text!r}: a shape is prefill:NxT or decode:Nx1") from None
+    if kind not in ("prefill", "decode") or n < 1 or t < 1 or (kind == "decode" and t != 1):
         raise ValueError(f"{text!r}: a shape is prefill:NxT or decode:Nx1")
     return Shape(f"{kind} {n}x{t}", [t] * n, decode=kind == "decode")
 
@@ -54,12 +58,12 @@ def main() -> int:
                     help="also time stock's core (its first calls autotune fla-core's kernels: minutes)")
     ap.add_argument("--out", default=None, help="also write the table to this file (rewritten after each row)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device (the direct glue and the gates kernel are CUDA's paths)")
     try:
         shapes = [parse_shape(s) for s in args.shapes.split(",")]
     except ValueError as e:
         ap.error(f"--shapes: {e}")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device (the direct glue and the gates kernel are CUDA's paths)")
     lines = [f"GDN server step glue, one layer at Qwen3.5-9B dims, {torch.cuda.get_device_name()}; wall (CUDA events, "
              f"median of {args.reps}) and GPU time (torch.profiler) in ms; same bits: == the first side after one step",
              "", "| shape | stock core wall | stock core GPU | " + " | ".join(
