@@ -26,7 +26,10 @@ weights). Parts:
   (``--profiler-config``) over two identical-shape loads on fresh prompts: 64 x 1K-token prompts with
   ``max_tokens=1`` (prefill) and with ``max_tokens=65`` (prefill + 64 decode steps at batch 64); the decode bill is
   the difference. Kernel time is summed from the trace by kernel name, then by part (GEMM, attention, GDN, norm,
-  sampling and logprobs, other) with the patterns of ``PARTS``; the JSON keeps every kernel's total.
+  sampling and logprobs, other) with the patterns of ``PARTS``; the JSON keeps every kernel's total. The profiler
+  records Python stacks, so each kernel is also charged to where vllm_bi launched it (the two innermost vllm_bi
+  frames; ``sites`` in the JSON), and the table lists where the small kernels (norms + pointwise, other) come from.
+  Stacks add host time to each launch, so a profiled load's wall time is not a served one's.
 
 Ratios are vllm_bi / stock (time per token, or stock / vllm_bi for throughputs: how many times slower), within one
 run: the machine is shared, and ratios hold only within a run. Rows are written as they come (``--out``).
@@ -278,20 +281,82 @@ def part_of(kernel: str) -> str:
 
 def _trace_kernels(trace_dir: str, since: float) -> dict[str, float]:
     """Kernel name -> total milliseconds over the worker traces written in ``trace_dir`` after ``since``."""
+    return _trace_summary(trace_dir, since)[0]
+
+
+def _trace_summary(trace_dir: str, since: float) -> tuple[dict[str, float], dict[str, float]]:
+    """``(kernels, sites)`` over the worker traces written in ``trace_dir`` after ``since``: kernel name -> total
+    milliseconds, and ``"part | site"`` -> total milliseconds, a kernel's site being where Python launched it
+    (:func:`_kernel_sites`; empty without the profiler's Python stacks)."""
     import glob
     import gzip
 
     totals: dict[str, float] = {}
+    sites: dict[str, float] = {}
     for path in glob.glob(os.path.join(trace_dir, "**", "*.json*"), recursive=True):
         if os.path.getmtime(path) < since or "async_llm" in os.path.basename(path):
             continue
         opener = gzip.open if path.endswith(".gz") else open
         with opener(path, "rt") as f:
             doc = json.load(f)
-        for ev in doc.get("traceEvents", []):
+        events = doc.get("traceEvents", [])
+        for ev in events:
             if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
                 totals[ev["name"]] = totals.get(ev["name"], 0.0) + ev["dur"] / 1000.0
-    return totals
+        for key, ms in _kernel_sites(events).items():
+            sites[key] = sites.get(key, 0.0) + ms
+    return totals, sites
+
+
+def _frame(name: str) -> str | None:
+    """A profiler Python frame (``/path/vllm_bi/ops/layout.py(39): canonical_rows``) as ``ops/layout.py:canonical_rows``
+    when it is vllm_bi's, else None."""
+    if "vllm_bi/" not in name or "): " not in name:
+        return None
+    path, func = name.rsplit("): ", 1)
+    return f"{path.rsplit('vllm_bi/', 1)[1].split('(')[0]}:{func}"
+
+
+def _kernel_sites(events: list[dict]) -> dict[str, float]:
+    """``"part | site"`` -> milliseconds of the kernels (and device copies) in one trace, a kernel's site being the two
+    innermost vllm_bi frames around the host call that launched it (``innermost < its caller``), or ``vLLM`` when no
+    vllm_bi frame encloses it. Kernels reach their launch through the trace's correlation ids; the Python frames are
+    the profiler's ``python_function`` events (``torch_profiler_with_stack``), nested per thread. A kernel replayed
+    from a CUDA graph carries the replay's launch, so decode steps in graphs are vLLM's."""
+    launch: dict = {}
+    frames: dict = {}
+    for ev in events:
+        cat = ev.get("cat")
+        if cat in ("cuda_runtime", "cuda_driver") and "correlation" in ev.get("args", {}):
+            launch[ev["args"]["correlation"]] = (ev.get("tid"), ev["ts"])
+        elif cat == "python_function" and "dur" in ev:
+            frames.setdefault(ev.get("tid"), []).append((ev["ts"], ev["ts"] + ev["dur"], ev["name"]))
+    if not frames:
+        return {}
+    # each launch's enclosing frames: per thread, frames by start (outer first) against launches by time
+    wanted: dict = {}
+    for ev in events:
+        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
+            at = launch.get(ev.get("args", {}).get("correlation"))
+            if at is not None:
+                wanted.setdefault(at[0], []).append((at[1], ev))
+    out: dict[str, float] = {}
+    for tid, items in wanted.items():
+        fs = sorted(frames.get(tid, []), key=lambda f: (f[0], -f[1]))
+        stack: list = []
+        i = 0
+        for ts, ev in sorted(items, key=lambda x: x[0]):
+            while i < len(fs) and fs[i][0] <= ts:
+                while stack and stack[-1][1] < fs[i][0]:
+                    stack.pop()
+                stack.append(fs[i])
+                i += 1
+            while stack and stack[-1][1] < ts:
+                stack.pop()
+            ours = [f for f in (_frame(s[2]) for s in reversed(stack)) if f][:2]
+            key = f"{part_of(ev['name'])} | {' < '.join(ours) if ours else 'vLLM'}"
+            out[key] = out.get(key, 0.0) + ev["dur"] / 1000.0
+    return out
 
 
 def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: str) -> dict:
@@ -301,7 +366,7 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
     env = side_env(side)
     trace_dir = os.path.join(log_dir, f"trace-{_file_label(side)}")
     os.makedirs(trace_dir, exist_ok=True)
-    cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
+    cfg = json.dumps({"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": True,
                       "ignore_frontend": True,
                       "torch_profiler_dump_cuda_time_total": False})
     args = shlex.split(server_args) + shlex.split(DEVIATIONS) + ["--profiler-config", cfg]
@@ -321,8 +386,8 @@ def profile_side(side: str, model: str, server_args: str, vocab: int, log_dir: s
             wall = time.perf_counter() - t0
             srv._post("/stop_profile", {}, timeout=900)
             time.sleep(2)
-            kernels = _trace_kernels(trace_dir, since)
-            r[label] = {"wall_s": wall, "kernels": kernels}
+            kernels, sites = _trace_summary(trace_dir, since)
+            r[label] = {"wall_s": wall, "kernels": kernels, "sites": sites}
             print(f"[full-scale] {side}: profiled {label}: {sum(kernels.values()):.1f} ms of kernels in {wall:.2f} s",
                   flush=True)
     return r
@@ -361,6 +426,13 @@ def profile_table(rows: list[dict]) -> list[str]:
         top = sorted(r["prefill+decode"]["kernels"].items(), key=lambda kv: -kv[1])[:25]
         out += ["", f"{r['side']}: top kernels of the prefill+decode load (ms, part)", ""]
         out += [f"- {ms:.1f} {part_of(k)}: `{k[:120]}`" for k, ms in top]
+        sites = r["prefill+decode"].get("sites") or {}
+        small = sorted(((k, ms) for k, ms in sites.items() if k.startswith(("norms + pointwise", "other"))),
+                       key=lambda kv: -kv[1])[:20]
+        if small:
+            out += ["", f"{r['side']}: where its norms + pointwise and other kernels were launched, prefill+decode load "
+                        "(ms; the two innermost vllm_bi frames, or vLLM)", ""]
+            out += [f"- {ms:.1f} {k}" for k, ms in small]
     return out
 
 

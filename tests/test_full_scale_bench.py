@@ -78,3 +78,49 @@ def test_profile_parts_and_decode_difference(tmp_path):
     text = "\n".join(FS.profile_table(rows))
     assert "| GEMM | 10.0 | 20.0 | 2.00x | 4.0 | 12.0 | 3.00x |" in text
     assert "| total | 10.0 | 20.0 | 2.00x | 6.0 | 14.0 | 2.33x |" in text
+
+
+def test_kernel_sites_follow_the_launch_to_the_innermost_vllm_bi_frames(tmp_path):
+    """A kernel is charged to the two innermost vllm_bi frames around its launch (by correlation id, on the launch's
+    thread), a kernel launched outside vllm_bi to vLLM; the table lists the small kernels' sites."""
+    import gzip
+    import json
+    import time
+
+    def frame(name, ts, dur, tid=7):
+        return {"cat": "python_function", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(corr, ts, tid=7, cat="cuda_runtime"):
+        return {"cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": {"correlation": corr}}
+
+    def kernel(name, corr, dur):
+        return {"cat": "kernel", "name": name, "ts": 0, "dur": dur, "args": {"correlation": corr}}
+
+    since = time.time() - 1
+    events = [
+        frame("/site/vllm/model_executor/models/qwen3_next.py(500): forward", 0, 1000),
+        frame("/site/vllm_bi/model_executor/gdn.py(160): bi_gdn_core", 10, 500),
+        frame("/site/vllm_bi/gdn/layer.py(300): gdn_varlen", 20, 100),
+        frame("/site/torch/nn/functional.py(10): pad", 30, 20),
+        launch(1, 35),  # inside pad < gdn_varlen < bi_gdn_core
+        frame("/site/vllm_bi/ops/layout.py(39): canonical_rows", 200, 50),
+        launch(2, 210, cat="cuda_driver"),  # inside canonical_rows < bi_gdn_core (gdn_varlen has ended)
+        launch(3, 700),  # inside vLLM's forward only
+        launch(4, 40, tid=8),  # another thread without frames
+        kernel("void at::native::elementwise_kernel<128, 4, direct_copy_kernel_cuda>", 1, 2000),
+        kernel("void at::native::index_elementwise_kernel<index_put_kernel_impl>", 2, 3000),
+        kernel("rms_norm_kernel", 3, 500),
+        kernel("matmul_kernel_persistent", 4, 9000),
+    ]
+    with gzip.open(tmp_path / "rank0.pt.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    kernels, sites = FS._trace_summary(str(tmp_path), since)
+    assert kernels["matmul_kernel_persistent"] == 9.0
+    assert sites == {"norms + pointwise | gdn/layer.py:gdn_varlen < model_executor/gdn.py:bi_gdn_core": 2.0,
+                     "norms + pointwise | ops/layout.py:canonical_rows < model_executor/gdn.py:bi_gdn_core": 3.0,
+                     "norms + pointwise | vLLM": 0.5, "GEMM | vLLM": 9.0}
+    rows = [{"side": s, "prefill": {"kernels": kernels}, "prefill+decode": {"kernels": kernels, "sites": sites}}
+            for s in ("stock", "vllm_bi")]
+    text = "\n".join(FS.profile_table(rows))
+    assert "- 3.0 norms + pointwise | ops/layout.py:canonical_rows < model_executor/gdn.py:bi_gdn_core" in text
+    assert "GEMM | vLLM" not in text  # the site list is the small kernels'
