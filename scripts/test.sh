@@ -33,6 +33,7 @@ else
   on_core() { local c="$1"; shift; if command -v taskset >/dev/null; then taskset -c "$c" "$@"; else "$@"; fi; }
   echo "running the suite in two shards (logs: test-shard-a.log, test-shard-b.log) ..."
   tmp=$(mktemp -d)  # each shard its own pytest temp root: neither cleans up the other's folders
+  trap 'rm -rf "$tmp"' EXIT  # about 1.6 GB of models and logs a run: left behind, runs fill the machine's disk
   VLLM_CPU_OMP_THREADS_BIND=0 TEST_DURATIONS_FILE=test-durations.shard-a on_core 0 .venv/bin/python -m pytest "${A[@]}" -v -m "not extended" --basetemp "$tmp/a" \
     > test-shard-a.log 2>&1 &
   pa=$!
