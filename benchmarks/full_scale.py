@@ -279,11 +279,6 @@ def part_of(kernel: str) -> str:
     return "other"
 
 
-def _trace_kernels(trace_dir: str, since: float) -> dict[str, float]:
-    """Kernel name -> total milliseconds over the worker traces written in ``trace_dir`` after ``since``."""
-    return _trace_summary(trace_dir, since)[0]
-
-
 def _trace_summary(trace_dir: str, since: float) -> tuple[dict[str, float], dict[str, float]]:
     """``(kernels, sites)`` over the worker traces written in ``trace_dir`` after ``since``: kernel name -> total
     milliseconds, and ``"part | site"`` -> total milliseconds, a kernel's site being where Python launched it
@@ -325,21 +320,23 @@ def _kernel_sites(events: list[dict]) -> dict[str, float]:
     from a CUDA graph carries the replay's launch, so decode steps in graphs are vLLM's."""
     launch: dict = {}
     frames: dict = {}
+    kernels: list = []
     for ev in events:
         cat = ev.get("cat")
         if cat in ("cuda_runtime", "cuda_driver") and "correlation" in ev.get("args", {}):
             launch[ev["args"]["correlation"]] = (ev.get("tid"), ev["ts"])
         elif cat == "python_function" and "dur" in ev:
             frames.setdefault(ev.get("tid"), []).append((ev["ts"], ev["ts"] + ev["dur"], ev["name"]))
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
+            kernels.append(ev)
     if not frames:
         return {}
     # each launch's enclosing frames: per thread, frames by start (outer first) against launches by time
     wanted: dict = {}
-    for ev in events:
-        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in ev:
-            at = launch.get(ev.get("args", {}).get("correlation"))
-            if at is not None:
-                wanted.setdefault(at[0], []).append((at[1], ev))
+    for ev in kernels:
+        at = launch.get(ev.get("args", {}).get("correlation"))
+        if at is not None:
+            wanted.setdefault(at[0], []).append((at[1], ev))
     out: dict[str, float] = {}
     for tid, items in wanted.items():
         fs = sorted(frames.get(tid, []), key=lambda f: (f[0], -f[1]))

@@ -69,7 +69,7 @@ def test_profile_parts_and_decode_difference(tmp_path):
                            {"cat": "kernel", "name": "flash_fwd_kernel", "dur": 1000}]}
     with gzip.open(tmp_path / "rank0.pt.trace.json.gz", "wt") as f:
         json.dump(doc, f)
-    k = FS._trace_kernels(str(tmp_path), since)
+    k, _ = FS._trace_summary(str(tmp_path), since)
     assert k == {"matmul_kernel_persistent": 3.0, "flash_fwd_kernel": 1.0}
     rows = [{"side": "stock", "prefill": {"kernels": {"gemm_a": 10.0}},
              "prefill+decode": {"kernels": {"gemm_a": 14.0, "flash_fwd": 2.0}}},

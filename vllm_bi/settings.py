@@ -236,6 +236,14 @@ def _tile_value(raw: str, origin: str) -> str:
     return value
 
 
+def _resolved(value: str, device: str, cuda_auto: str, elsewhere: str) -> str:
+    """A setting's value on ``device``: ``auto`` is ``cuda_auto`` on CUDA and ``elsewhere`` on other devices; any other
+    value is itself."""
+    if value == "auto":
+        return cuda_auto if device == "cuda" else elsewhere
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """One process's vllm_bi settings (validated; see the module doc)."""
@@ -324,23 +332,17 @@ class Settings:
 
     def rowwise_op(self, device: str) -> str:
         """The row-local ops' implementation on ``device`` (``triton`` or ``torch``)."""
-        if self.rowwise == "auto":
-            return ROWWISE_AUTO_CUDA if device == "cuda" else "torch"
-        return self.rowwise
+        return _resolved(self.rowwise, device, ROWWISE_AUTO_CUDA, "torch")
 
     def gdn_gates_op(self, device: str) -> str:
         """How the GDN gates run on ``device``: ``torch`` or ``triton`` (CUDA, or CPU in Triton's interpreter when set
         explicitly, for tests)."""
-        if self.gdn_gates == "auto":
-            return GDN_GATES_AUTO_CUDA if device == "cuda" else "torch"
-        return self.gdn_gates
+        return _resolved(self.gdn_gates, device, GDN_GATES_AUTO_CUDA, "torch")
 
     def gdn_io_op(self, device: str) -> str:
         """How the recurrent GDN server step moves its data on ``device``: ``copies`` or ``direct`` (CUDA, or CPU in
         Triton's interpreter when set explicitly, for tests)."""
-        if self.gdn_io == "auto":
-            return GDN_IO_AUTO_CUDA if device == "cuda" else "copies"
-        return self.gdn_io
+        return _resolved(self.gdn_io, device, GDN_IO_AUTO_CUDA, "copies")
 
     def recurrent_tile(self, device: str) -> str:
         """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES``); ``none`` where no
@@ -351,22 +353,16 @@ class Settings:
 
     def logprobs_op(self, device: str) -> str:
         """The log-softmax's implementation on ``device`` (``torch`` or ``triton``)."""
-        if self.logprobs == "auto":
-            return LOGPROBS_AUTO_CUDA if device == "cuda" else "torch"
-        return self.logprobs
+        return _resolved(self.logprobs, device, LOGPROBS_AUTO_CUDA, "torch")
 
     def digest_op(self, device: str) -> str:
         """The weight digest's implementation on ``device`` (``torch`` or ``triton``; not part of :meth:`arithmetic`:
         both give the same digests)."""
-        if self.digest == "auto":
-            return DIGEST_AUTO_CUDA if device == "cuda" else "torch"
-        return self.digest
+        return _resolved(self.digest, device, DIGEST_AUTO_CUDA, "torch")
 
     def moe_path(self, device: str) -> str:
         """The MoE experts' path on ``device`` (``loop``, ``exact`` or ``triton``)."""
-        if self.moe == "auto":
-            return "triton" if device == "cuda" else "loop"
-        return self.moe
+        return _resolved(self.moe, device, "triton", "loop")
 
     def chunk_decode_plan(self, device: str) -> str:
         """How the chunk mode plans a decode step on ``device``: ``padded`` (CUDA only: indices on the device,
