@@ -83,19 +83,34 @@ def main() -> int:
     ap.add_argument("--trainer-args", default="", help="more trainer options for both sides (one string)")
     ap.add_argument("--sides", default=",".join(SIDES), help="which of stock,vllm_bi to run (the table needs both; "
                     "one side prints that side's medians)")
+    ap.add_argument("--reuse", default="", help="sides run earlier on this machine under the same --run-root, read "
+                    "from their metrics.jsonl instead of run again (both sides of a step that does not fit one "
+                    "call: --sides stock, then --sides vllm_bi --reuse stock)")
     ap.add_argument("--out", default="rl_step.md")
     args = ap.parse_args()
     if args.steps < 2:
         ap.error("--steps must be >= 2: the first step of each side is a warm-up")
     extra = shlex.split(args.trainer_args)
     sides = [s for s in args.sides.split(",") if s]
-    if not sides or any(s not in SIDES for s in sides):
-        ap.error(f"--sides: a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
+    reused = [s for s in args.reuse.split(",") if s]
+    for name, chosen in (("--sides", sides), ("--reuse", reused)):
+        if any(s not in SIDES for s in chosen) or (name == "--sides" and not chosen):
+            ap.error(f"{name}: a comma-separated subset of {','.join(SIDES)}, got {chosen!r}")
+    if set(sides) & set(reused):
+        ap.error(f"--reuse: {','.join(set(sides) & set(reused))} is also in --sides; give a side to one of them")
+    for side in reused:
+        if not os.path.exists(os.path.join(args.run_root, side, "metrics.jsonl")):
+            ap.error(f"--reuse {side}: no {os.path.join(args.run_root, side, 'metrics.jsonl')}; run that side "
+                     "first with the same --run-root")
     from common import emit
 
     by_side: dict[str, dict] = {}
-    for side in sides:
-        metrics = run_side(side, args.model, args.steps, args.run_root, extra)
+    for side in [s for s in SIDES if s in sides or s in reused]:
+        if side in reused:
+            metrics = os.path.join(args.run_root, side, "metrics.jsonl")
+            print(f"[rl-step] {side}: reusing {metrics}", flush=True)
+        else:
+            metrics = run_side(side, args.model, args.steps, args.run_root, extra)
         shutil.copyfile(metrics, os.path.splitext(args.out)[0] + f"-{side}-metrics.jsonl")
         by_side[side] = medians(read_rows(metrics))
         body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)

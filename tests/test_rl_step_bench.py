@@ -38,3 +38,45 @@ def test_one_side_table_holds_that_side_only():
     text = "\n".join(RS.one_side({"vllm_bi": bi}))
     assert "| part (median s per step) | vllm_bi |" in text and "stock" not in text
     assert "| weight push (save + swap + verify) | 3.000 |" in text and "| steps timed | 1 |" in text
+
+
+def _write(path, rows):
+    import json
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_reuse_reads_an_earlier_side_and_runs_the_other(tmp_path, monkeypatch, capsys):
+    """Both sides of a step that does not fit one call: the stock side's metrics from an earlier call on the same
+    machine (its --run-root), the vllm_bi side run now; the table holds both."""
+    import sys
+    root = tmp_path / "rl"
+    _write(str(root / "stock" / "metrics.jsonl"), [_row(9, 9, 9, 9, 9), _row(1, 2, 1, 1, 5, 0.3)])
+    ran = []
+
+    def fake_run(side, model, steps, run_root, extra):
+        ran.append(side)
+        path = os.path.join(run_root, side, "metrics.jsonl")
+        _write(path, [_row(9, 9, 9, 9, 9), _row(1.5, 2.2, 1, 1, 5.7)])
+        return path
+
+    monkeypatch.setattr(RS, "run_side", fake_run)
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    out = tmp_path / "rl_step.md"
+    monkeypatch.setattr(sys, "argv", ["rl_step.py", "--model", "m", "--steps", "2", "--run-root", str(root),
+                                      "--sides", "vllm_bi", "--reuse", "stock", "--out", str(out)])
+    assert RS.main() == 0
+    assert ran == ["vllm_bi"]
+    text = out.read_text()
+    assert "| whole step | 5.000 | 5.700 | 1.14x |" in text and "| max logprob gap | 0.3 | 0 | |" in text
+
+
+def test_reuse_without_the_earlier_run_is_refused(tmp_path, monkeypatch, capsys):
+    import sys
+    import pytest
+    monkeypatch.setattr(sys, "argv", ["rl_step.py", "--model", "m", "--run-root", str(tmp_path), "--sides",
+                                      "vllm_bi", "--reuse", "stock"])
+    with pytest.raises(SystemExit) as e:
+        RS.main()
+    assert e.value.code == 2 and "no " in capsys.readouterr().err
