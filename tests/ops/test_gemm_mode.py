@@ -23,7 +23,9 @@ def test_mode_switch(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
     assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("triton", "fp64")
     monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
-    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cublas' is not a setting; use one of auto, fp64, triton"):
+    assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("cublas", "fp64")
+    monkeypatch.setenv("VLLM_BI_GEMM", "cutlass")
+    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cutlass' is not a setting; use one of auto, fp64, triton, cublas"):
         gemm_mode()
 
 

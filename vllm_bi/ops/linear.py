@@ -56,7 +56,9 @@ def no_split_k() -> None:
 def _cublas_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``VLLM_BI_GEMM=cublas``: cuBLAS's bf16 GEMM with split-K off; refused where the process's settings let it
     split (they must be set before its first GEMM, which :func:`no_split_k` cannot undo)."""
-    wrong = {k: os.environ.get(k) for k, v in NO_SPLIT_K_ENV.items() if os.environ.get(k) != v}
+    seen = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "CUBLASLT_WORKSPACE_SIZE": os.environ.get("CUBLASLT_WORKSPACE_SIZE")}
+    wrong = {k: v for k, v in seen.items() if v != NO_SPLIT_K_ENV[k]}
     if wrong or torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction:
         raise RuntimeError(
             f"vllm_bi: VLLM_BI_GEMM=cublas needs cuBLAS without split-K ({NO_SPLIT_K_ENV}, no reduced-precision "
