@@ -88,7 +88,11 @@ def test_direct_step_gives_the_copying_steps_bits(monkeypatch):
         settings.reload()
         layer = types.SimpleNamespace(**vars(layer0))
         layer.kv_cache = tuple(c.clone() for c in layer0.kv_cache)
-        outs = [_step(layer, mixed, qsl[-1], D, 1), _step(layer, decodes, 64, D, 2)]
+        from vllm_bi.model_executor import gdn as G
+
+        with mock.patch.object(G, "_recurrent_direct", wraps=G._recurrent_direct) as direct:
+            outs = [_step(layer, mixed, qsl[-1], D, 1), _step(layer, decodes, 64, D, 2)]
+        assert (direct.call_count > 0) == (io == "direct"), (io, direct.call_count)  # the path under test ran
         runs[io] = outs + list(layer.kv_cache)
     assert runs["copies"][0].abs().sum() > 0 and runs["copies"][1].abs().sum() > 0
     for name, x, y in zip(("mixed step", "decode step", "conv cache", "state slots"), runs["copies"], runs["direct"]):
