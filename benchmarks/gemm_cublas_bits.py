@@ -27,15 +27,10 @@ import os
 import subprocess
 import sys
 
-SHAPES = [  # (name, N, K): Qwen3.5-9B's linear layers (vLLM's fused ones as vLLM runs them)
-    ("GDN in_proj_qkvz", 12288, 4096),
-    ("GDN in_proj_ba", 64, 4096),
-    ("GDN out_proj / attn o_proj", 4096, 4096),
-    ("attn qkv (gated q)", 10240, 4096),
-    ("MLP gate_up", 24576, 4096),
-    ("MLP down", 4096, 12288),
-]
-PARTS = {"GDN in_proj_qkvz": (2048, 2048, 4096, 4096), "MLP gate_up": (12288, 12288), "attn qkv (gated q)": (8192, 1024, 1024)}
+from bi_gemm_tune import SHAPES_9B as SHAPES  # (name, N, K): Qwen3.5-9B's linear layers as vLLM merges them
+
+PARTS = {"GDN in_proj_qkvz": (2048, 2048, 4096, 4096), "MLP gate_up": (12288, 12288),
+         "attention qkv (q with its gate)": (8192, 1024, 1024)}
 BITS_MS = (1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 63, 64, 65, 96, 100, 127, 128, 129, 192, 255, 256,
            257, 384, 500, 512, 513, 768, 1000, 1024, 1500, 2048, 3000)
 TIME_MS = (1, 16, 64, 256, 1024, 4096)
@@ -46,21 +41,10 @@ ENVS = {
 }
 
 
-def _median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    import torch
+def _median_ms(fn) -> float:
+    from vllm_bi.ops.gemm_tune import cuda_ms
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return cuda_ms(fn, reps=20)
 
 
 def child(env_name: str, rows: int) -> dict:
