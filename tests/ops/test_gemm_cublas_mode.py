@@ -66,3 +66,19 @@ def test_trainer_and_server_compare_cublas_identity(cublas, monkeypatch):
     other = dict(a, gemm_configs="cuBLAS (CUDA 13.0) on H200")
     assert [k for k, *_ in settings.diff(a, other)] == ["gemm_configs"]
     assert settings.diff(a, dict(a)) == []
+
+
+def test_trainer_model_loader_sets_no_split_k_first(cublas, monkeypatch):
+    """The trainer's model loader sets cuBLAS without split-K before the model exists (cuBLAS reads it once per
+    process); under the default GEMM it leaves the process alone."""
+    from vllm_bi import models
+
+    order = []
+    monkeypatch.setattr(linear, "no_split_k", lambda: order.append("no_split_k"))
+    monkeypatch.setattr(models, "model_class", lambda path: type("M", (), {
+        "from_pretrained": staticmethod(lambda p: order.append("model") or "model")}))
+    assert models.from_pretrained("ckpt") == "model" and order == ["no_split_k", "model"]
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    order.clear()
+    models.from_pretrained("ckpt")
+    assert order == ["model"]
