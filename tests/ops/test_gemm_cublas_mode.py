@@ -52,7 +52,7 @@ def test_split_k_settings_are_required(cublas, monkeypatch, reductions):
 
 def test_no_split_k_sets_the_process(monkeypatch, reductions):
     for k in linear.NO_SPLIT_K_ENV:
-        monkeypatch.delenv(k, raising=False)
+        monkeypatch.setenv(k, "unset")  # recorded, so the test leaves the process's environment as it was
     reductions.allow_bf16_reduced_precision_reduction = True
     linear.no_split_k()
     assert all(os.environ[k] == v for k, v in linear.NO_SPLIT_K_ENV.items())
@@ -82,3 +82,21 @@ def test_trainer_model_loader_sets_no_split_k_first(cublas, monkeypatch):
     order.clear()
     models.from_pretrained("ckpt")
     assert order == ["model"]
+
+
+def test_server_plugin_sets_no_split_k_under_cublas(cublas, monkeypatch):
+    """The server's CUDA op-library setup takes the whole no-split-K set (cuBLASLt, no reduced-precision reductions)
+    under the cuBLAS GEMM, and only the workspace variables under the others."""
+    from vllm_bi.patch import aten_overrides
+
+    for k, v in linear.NO_SPLIT_K_ENV.items():  # recorded, so the test leaves the process's environment as it was
+        monkeypatch.setenv(k, v)
+    calls = []
+    monkeypatch.setattr(aten_overrides, "register_overrides", lambda key: calls.append(key))
+    monkeypatch.setattr(linear, "no_split_k", lambda: calls.append("no_split_k"))
+    aten_overrides.enable_cuda_own_ops_mode()
+    assert calls == ["no_split_k", "CUDA"]
+    monkeypatch.setenv("VLLM_BI_GEMM", "triton")
+    calls.clear()
+    aten_overrides.enable_cuda_own_ops_mode()
+    assert calls == ["CUDA"] and os.environ["CUBLASLT_WORKSPACE_SIZE"] == "1"
