@@ -51,10 +51,10 @@ def child(env_name: str, rows: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    if env_name != "stock":
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        torch.backends.cuda.preferred_blas_library(backend="cublaslt")
+    if env_name != "stock":  # VLLM_BI_GEMM=cublas's own setup, with this child's workspace settings
+        from vllm_bi.ops.linear import no_split_k
+
+        no_split_k(ENVS[env_name])
     out = {"env": env_name, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:

@@ -102,18 +102,22 @@ def causal_conv1d_varlen(
     return y, new_states
 
 
+def _token_layout(cu_seqlens: tuple[int, ...]):
+    """One batch layout on the host: ``cu``, each sequence's length, each token's sequence and its position in it."""
+    cu = torch.tensor(cu_seqlens, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    return cu, lens, seq, torch.arange(int(cu[-1])) - cu[seq]
+
+
 @functools.lru_cache(maxsize=_INDEX_CACHE)
 def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
     """The conv's indices for one batch layout (built once, shared, read only), on ``device``: the rows of the
     new conv states (from x, from the old state, which of the two), then on CUDA the Triton kernel's per-token
     sequence and position and per-sequence start and length, elsewhere the torch path's rows of
     ``[all conv states; x]`` for every tap (``_conv_torch``)."""
-    N = len(cu_seqlens) - 1
-    cu = torch.tensor(cu_seqlens, dtype=torch.long)
-    T = int(cu[-1])
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(N), lens)
-    pos = torch.arange(T) - cu[seq]  # position of each token in its sequence
+    cu, lens, seq, pos = _token_layout(cu_seqlens)
+    N, T = len(lens), int(cu[-1])
     # new state row r of sequence j is ext_j[len_j + r]: x_j[i] with i = len_j + r - (W-1) when i >= 0, else
     # conv_state_j[len_j + r]
     jj = torch.arange(N).repeat_interleave(W - 1)
@@ -135,10 +139,8 @@ def _conv_index(cu_seqlens: tuple[int, ...], W: int, device: str):
 def _slot_conv_index(cu_seqlens: tuple[int, ...], device: str):
     """:func:`vllm_bi.ops.conv.slot_causal_conv1d`'s indices for one batch layout (built once, shared, read only), on
     ``device``: each token's sequence and position, each sequence's first row and length."""
-    cu = torch.tensor(cu_seqlens, dtype=torch.long)
-    lens = cu[1:] - cu[:-1]
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    host = [seq, torch.arange(int(cu[-1])) - cu[seq], cu[:-1], lens]
+    cu, lens, seq, pos = _token_layout(cu_seqlens)
+    host = [seq, pos, cu[:-1], lens]
     return host_to(torch.cat(host), device).split([h.numel() for h in host])
 
 

@@ -43,10 +43,11 @@ __all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm", "no_split_k", "NO_SPLIT_
 NO_SPLIT_K_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
-def no_split_k() -> None:
-    """cuBLAS without split-K in this process: :data:`NO_SPLIT_K_ENV`, no reduced-precision reductions, cuBLASLt.
-    Call it before the process's first cuBLAS GEMM (the server's plugin and the trainer do)."""
-    os.environ.update(NO_SPLIT_K_ENV)
+def no_split_k(env: dict[str, str] = NO_SPLIT_K_ENV) -> None:
+    """cuBLAS without split-K in this process: :data:`NO_SPLIT_K_ENV` (``env``: other workspace settings, for
+    ``benchmarks/gemm_cublas_bits.py``), no reduced-precision reductions, cuBLASLt. Call it before the process's
+    first cuBLAS GEMM (the server's plugin and the trainer do)."""
+    os.environ.update(env)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
     if torch.cuda.is_available():
