@@ -27,6 +27,16 @@ def test_small_run_reports_each_tile_exact(tmp_path):
     assert "| fla | exact | yes |" in table and "| 16x1x3 | exact |" in table
 
 
+def test_small_run_with_the_bf16_state_reports_its_columns_exact(tmp_path):
+    out = tmp_path / "tiles.md"
+    r = _run("--tiles", "16x1x3", "--state", "fp32,bf16", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    table = out.read_text()
+    assert "| 16x1x3 | exact |" in table and "| 16x1x3+bf16 | exact |" in table
+
+
 def test_bad_tile_refused_in_one_line():
     r = _run("--tiles", "fla,33x1x3")
     assert r.returncode == 2 and "33x1x3" in r.stderr and "Traceback" not in r.stderr
+    r = _run("--state", "fp16")
+    assert r.returncode == 2 and "--state 'fp16'" in r.stderr and "Traceback" not in r.stderr

@@ -148,6 +148,10 @@ SETTINGS = (
           "gathered and stored, q, k and v split, outputs scattered), or direct (the conv reads and writes its states "
           "in their cache slots and writes q, k and v apart; the recurrent kernel writes the layer's rows); the same "
           f"arithmetic either way; CPU copies; auto: {GDN_IO_AUTO_CUDA}"),
+    _Spec("gdn_state", "fp32", ("fp32", "bf16"),
+          "the recurrent GDN state between tokens (server cache and trainer alike): fp32, or rounded to bf16 after "
+          "every token (half the state cache and its decode traffic, stock vLLM's cache dtype; its own bits; the "
+          "recurrent mode only; experimental: docs/gdn-modes.md)"),
     _Spec("moe", "auto", ("auto", "loop", "exact", "triton"),
           "MoE experts: auto is triton on CUDA, loop on CPU; exact gives the loop's float64 bits on the device"),
     _Spec("chunk_decode", "auto", ("auto", "host", "padded"),
@@ -189,13 +193,15 @@ PRESETS = {
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
                   "gemm_configs": "VLLM_BI_GEMM_CONFIGS", "attention": "VLLM_BI_ATTENTION",
                   "rowwise": "VLLM_BI_ROWWISE", "moe": "VLLM_BI_MOE", "logprobs": "VLLM_BI_LOGPROBS",
-                  "gdn_tile": "VLLM_BI_GDN_TILE", "gdn_gates": "VLLM_BI_GDN_GATES"}
+                  "gdn_tile": "VLLM_BI_GDN_TILE", "gdn_gates": "VLLM_BI_GDN_GATES",
+                  "gdn_state": "VLLM_BI_GDN_STATE"}
 _LABEL = {"gdn_mode": "GDN mode", "ops": "CUDA op mode", "gemm": "GEMM mode", "gemm_configs": "Triton GEMM tile table",
           "attention": "attention op", "rowwise": "row-local ops", "moe": "MoE experts path",
-          "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile", "gdn_gates": "GDN gates path"}
+          "logprobs": "log-softmax op", "gdn_tile": "recurrent GDN tile", "gdn_gates": "GDN gates path",
+          "gdn_state": "GDN state dtype"}
 # what a record made before an arithmetic key existed ran, where that key applies now (its value is not "none"): a
 # checkpoint's settings are read with these filled in, so a resume across the key's arrival is compared, not skipped
-ABSENT_MEANT = {"gdn_tile": "fla", "gdn_gates": "torch"}
+ABSENT_MEANT = {"gdn_tile": "fla", "gdn_gates": "torch", "gdn_state": "fp32"}
 # retired spellings of a value: one line naming the replacement
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead
@@ -259,6 +265,7 @@ class Settings:
     gdn_tile: str = "auto"
     gdn_gates: str = "auto"
     gdn_io: str = "auto"
+    gdn_state: str = "fp32"
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
@@ -276,6 +283,9 @@ class Settings:
     def __post_init__(self):
         if self.gdn_mode == "auto":
             object.__setattr__(self, "gdn_mode", _auto_gdn_mode())
+        if self.gdn_state != "fp32" and self.gdn_mode != "recurrent":
+            raise UsageError(f"VLLM_BI_GDN_STATE={self.gdn_state} runs in the recurrent GDN mode only, this process "
+                             f"runs {self.gdn_mode!r}; set VLLM_BI_GDN_MODE=recurrent or unset VLLM_BI_GDN_STATE")
 
     @classmethod
     def from_env(cls, environ=None) -> "Settings":
@@ -441,7 +451,7 @@ class Settings:
                                  else "none"), "attention": self.attention_op(device),
                 "rowwise": self.rowwise_op(device), "moe": self.moe_path(device),
                 "logprobs": self.logprobs_op(device), "gdn_tile": self.recurrent_tile(device),
-                "gdn_gates": self.gdn_gates_op(device)}
+                "gdn_gates": self.gdn_gates_op(device), "gdn_state": self.gdn_state}
 
     def decode_graphs(self, enforce_eager: bool = False) -> tuple[bool, str]:
         """Whether a CUDA server captures its decode steps, and, when ``auto`` leaves them eager, why. ``decode``

@@ -39,9 +39,21 @@ from vllm_bi.ops.device import index_on
 from vllm_bi.ops.reduce import row_sum
 
 __all__ = ["gdn_gating", "kda_gating", "l2norm", "heads_qk", "gdn_recurrent", "gdn_recurrent_varlen", "gdn_torch_varlen",
-           "FLAGatedDeltaRule"]
+           "FLAGatedDeltaRule", "state_dtype"]
 
 L2NORM_EPS = 1e-6
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def state_dtype() -> torch.dtype:
+    """The dtype the recurrent state is kept in between tokens (``VLLM_BI_GDN_STATE``): ``torch.float32``, or
+    ``torch.bfloat16``, where every token's updated state is rounded to bf16 before the next token reads it (its
+    output is computed from the unrounded state). Rounding after every token, never only where a call ends, keeps a
+    sequence's bits independent of where its prompt was split, at half the fp32 cache's size and traffic. The
+    arithmetic stays fp32; the states passed between functions stay fp32 tensors (holding bf16 values)."""
+    from vllm_bi.settings import current
+
+    return _STATE_DTYPES[current().gdn_state]
 
 
 def gdn_gating(
@@ -116,7 +128,8 @@ def gdn_recurrent(
 
     ``q`` and ``k`` are raw (l2-normalised here). ``state`` is not modified. ``g`` is the log decay: ``[T, HV]``, one
     per head (GDN), or ``[T, HV, K]``, one per key channel (Kimi Delta Attention's channel-wise gate); a per-channel
-    ``g`` equal across ``K`` gives the per-head one's bits.
+    ``g`` equal across ``K`` gives the per-head one's bits. Under a bf16 :func:`state_dtype` the state is rounded to
+    bf16 after every token (and the returned state holds bf16 values).
     """
     if q.device.type != "cpu":
         raise NotImplementedError(
@@ -128,6 +141,7 @@ def gdn_recurrent(
     decay = pointwise.exp(g.float())
     beta = beta.float()
     gate_shape = (HV, 1, 1) if decay.dim() == 2 else (HV, 1, decay.shape[-1])  # the state is [HV, V, K]
+    rounded = state_dtype() != torch.float32
     S = state.clone()
     out = torch.empty((T, HV, V), dtype=torch.float32)
     for t in range(T):
@@ -137,7 +151,23 @@ def gdn_recurrent(
         delta = (v32[t] - kv) * beta[t].view(HV, 1)
         S = S + delta.unsqueeze(-1) * k_t
         out[t] = row_sum(S * qn[t].unsqueeze(1)).squeeze(-1)
+        if rounded:  # the state a later call would load: its bits do not depend on where a call ends
+            S = _RoundState.apply(S)
     return out, S
+
+
+class _RoundState(torch.autograd.Function):
+    """An fp32 state rounded to bf16 values (kept fp32); the backward passes the gradient through unchanged, so a
+    trainer's gradients are those of the fp32 recurrence (straight through the rounding), as on CUDA, whose
+    backward recomputes without rounding."""
+
+    @staticmethod
+    def forward(ctx, S):
+        return S.to(torch.bfloat16).float()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class FLAGatedDeltaRule(torch.autograd.Function):
@@ -195,12 +225,12 @@ class FLAGatedDeltaRule(torch.autograd.Function):
 def _fla_recurrent(q, k, v, g, beta, h0, cu, scale):
     from vllm_bi.gdn.slots import FLA_TILE, current_tile, recurrent_in_slots
 
-    tile = current_tile()
-    if tile != FLA_TILE:  # a tile of vllm_bi's own (VLLM_BI_GDN_TILE): its bits come only from its kernel
-        pool = h0.detach().float().contiguous().clone()
+    tile, dtype = current_tile(), state_dtype()
+    if tile != FLA_TILE or dtype != torch.float32:  # vllm_bi's own tile or state rounding: only its kernel has them
+        pool = h0.detach().to(dtype).contiguous().clone()
         slots = torch.arange(pool.shape[0], device=pool.device)
         o = recurrent_in_slots(q[0], k[0], v[0], g[0], beta[0], pool, slots, cu, scale, tile=tile)
-        return o.unsqueeze(0), pool
+        return o.unsqueeze(0), pool.float()
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     per_channel = g.dim() == 4  # [1, T, HV, K]: Kimi Delta Attention's decay per key channel, fla-core's gk

@@ -84,7 +84,8 @@ if triton is not None:
     @triton.jit
     def _step_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, fresh, cu, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr, GK: tl.constexpr):
+                       BK: tl.constexpr, BVC: tl.constexpr, HAS_FRESH: tl.constexpr, GK: tl.constexpr,
+                       ROUND: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         n_vb = tl.cdiv(V, BVC)
         vb, seq_head = pid % n_vb, pid // n_vb
@@ -119,6 +120,8 @@ if triton is not None:
             S += kt[:, None] * vt
             ot = tl.sum(S * qt[:, None], 0)
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
+            if ROUND:  # a bf16 pool: every token's state as a call that stored and reloaded it would see it
+                S = tl.zeros([BK, BVC], dtype=tl.float32) + S.to(pool.dtype.element_ty).to(tl.float32)
         tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
@@ -161,18 +164,19 @@ if triton is not None:
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
             dst = tl.load(table + seq * table_stride + (t - first)).to(tl.int64)
             tl.store(pool + dst * slot_stride + in_slot, S.to(pool.dtype.element_ty), mask=tile_ok)
-            S = tl.zeros([BK, BVC], dtype=tl.float32) + S
+            S = tl.zeros([BK, BVC], dtype=tl.float32) + S.to(pool.dtype.element_ty).to(tl.float32)
 
 
 def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
     """What a kernel over vLLM's state slots needs: Triton, CUDA inputs (CPU only under ``TRITON_INTERPRET=1``,
-    for tests), and ``pool [S, HV, K, V]`` fp32 with each slot contiguous (the stride between slots is free)."""
+    for tests), and ``pool [S, HV, K, V]`` fp32 or bf16 (:func:`vllm_bi.gdn.recurrent.state_dtype`) with each slot
+    contiguous (the stride between slots is free)."""
     if triton is None:
         raise RuntimeError(f"{who} needs triton")
     if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{who} runs on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)")
-    if pool.dtype != torch.float32 or pool.stride()[1:] != (K * V, V, 1):
-        raise ValueError(f"{who}: the state pool must be fp32 with contiguous slots, got {pool.dtype} with strides "
+    if pool.dtype not in (torch.float32, torch.bfloat16) or pool.stride()[1:] != (K * V, V, 1):
+        raise ValueError(f"{who}: the state pool must be fp32 or bf16 with contiguous slots, got {pool.dtype} with strides "
                          f"{pool.stride()}")
     if tuple(pool.shape[1:]) != (HV, K, V):
         raise ValueError(f"{who}: state pool {tuple(pool.shape)} does not hold [HV, K, V] = {(HV, K, V)} per slot")
@@ -187,6 +191,8 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a decay per key
     channel) (l2norm of q and k inside, as fla-core's
     ``use_qk_l2norm_in_kernel``); ``pool [S, HV, K, V]`` fp32, fla-core's state order, each slot contiguous
+    (bf16: every token's state rounded to bf16 before the next token, so a call's bits are those of one call per
+    token; :func:`vllm_bi.gdn.recurrent.state_dtype`)
     (vLLM may pad the stride between slots), updated in place;
     ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
     the null block); ``cu [N + 1]`` offsets (device); ``fresh [N]`` nonzero where a sequence starts from zeros.
@@ -226,5 +232,6 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         return o
     _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
                          H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv, HAS_FRESH=fresh is not None,
-                         GK=g.dim() == 3, num_warps=tile.warps, num_stages=tile.stages)
+                         GK=g.dim() == 3, ROUND=pool.dtype != torch.float32, num_warps=tile.warps,
+                         num_stages=tile.stages)
     return o

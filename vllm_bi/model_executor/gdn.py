@@ -18,6 +18,7 @@ import torch
 
 from vllm_bi.gdn.chunk import CHUNK, gdn_mode
 from vllm_bi.gdn.layer import RingRows, SlotRows, gdn_varlen
+from vllm_bi.gdn.recurrent import state_dtype
 from vllm_bi.ops.device import host_to, index_on, rows_of, step_cached
 
 __all__ = ["BIGDNAttentionBackend", "BIGDNMetadataBuilder", "bi_gdn_forward", "bi_gdn_core", "chunk_state_shape",
@@ -145,10 +146,10 @@ def bi_gdn_core(layer, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     if md is None or md.num_actual_tokens == 0:
         return  # profiling / dummy run
     conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
-    if ssm_cache.dtype != torch.float32:
+    if ssm_cache.dtype != state_dtype():
         raise RuntimeError(
-            f"vllm_bi: GDN state cache is {ssm_cache.dtype}, batch invariance needs float32 "
-            "(--mamba-ssm-cache-dtype float32)"
+            f"vllm_bi: GDN state cache is {ssm_cache.dtype}, the GDN state (VLLM_BI_GDN_STATE) needs "
+            f"{state_dtype()} (--mamba-ssm-cache-dtype {str(state_dtype()).removeprefix('torch.')})"
         )
     weight = layer.conv1d.weight
     weight = weight.reshape(weight.shape[0], weight.shape[-1])
@@ -350,6 +351,7 @@ def store_slots(cache: torch.Tensor, slot_t: torch.Tensor, states: torch.Tensor,
     """``cache[slot_t] = states`` (``states [N, HV, V, K]``); with ``kv_layout`` the inverse of
     :func:`gather_slots`: the states go into the slots in ``[HV, K, V]`` order, contiguous when ``states``
     came from fla-core (its final states are ``[N, HV, K, V]`` seen transposed)."""
+    states = states.to(cache.dtype)  # a bf16 cache (VLLM_BI_GDN_STATE=bf16): the states hold bf16 values already
     if kv_layout:
         state_memory(cache, True).index_copy_(0, slot_t, states.transpose(-1, -2))
     else:
@@ -494,7 +496,7 @@ def _recurrent_step(layer, mixed_qkv, b, a, out, plan, conv, ssm_cache, weight, 
                                     state_memory(ssm_cache, True), *dims, packed=True, slots=plan.slot_t,
                                     fresh=plan.fresh_flags(), **_gating(layer))
     else:
-        states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout)
+        states = gather_slots(ssm_cache, plan.slot_t, plan.fresh, kv_layout).float()
         o, new_conv, new_states = gdn_varlen(mixed_qkv, plan.ranges, weight, conv, layer.A_log, a, b,
                                              layer.dt_bias, states, *dims, packed=True, **_gating(layer))
         store_slots(ssm_cache, plan.slot_t, new_states, kv_layout)
@@ -852,7 +854,7 @@ def verify_rows(layer, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, qsl: l
         sel = torch.tensor(live, dtype=torch.long, device=dev)
         at = torch.tensor([qsl[i] + j for i in live], dtype=torch.long, device=dev)
         ranges = [(t, t + 1) for t in range(len(live))]
-        states = gather_slots(ssm_cache, src[sel], None, kv_layout)
+        states = gather_slots(ssm_cache, src[sel], None, kv_layout).float()
         o, new_conv, new_states = gdn_varlen(x[at], ranges, weight, window[sel], layer.A_log, a[at], b[at],
                                              layer.dt_bias, states, *_dims(layer), packed=True)
         dst = slots[sel, j]

@@ -3,7 +3,8 @@
 ``EngineArgs.create_engine_config`` is wrapped (ledger row in :mod:`vllm_bi.patch.ledger`) so that every check
 runs once, in the process that builds the engine, before any model is loaded:
 
-- the GDN/SSM state cache is float32 (``auto`` becomes float32; another explicit dtype is refused);
+- the GDN/SSM state cache is float32, or bfloat16 under ``VLLM_BI_GDN_STATE=bf16`` (``auto`` becomes that dtype;
+  another explicit dtype is refused);
 - speculative decoding: the MTP drafter in the recurrent GDN mode, drafts verified by exact match, prefix caching
   off; on CPU, and on CUDA in Model Runner V2 with eager steps (anything else refused with the fix);
 - CPU runs eagerly (torch.compile would re-fuse the ops); CUDA captures decode steps in CUDA graphs when
@@ -39,6 +40,10 @@ __all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config", "wrap_cpu_
 logger = logging.getLogger("vllm_bi")
 
 
+# the state cache dtype vLLM allocates (--mamba-ssm-cache-dtype) for each VLLM_BI_GDN_STATE
+_STATE_CACHE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+
+
 class BatchInvarianceConfigError(ValueError):
     """A configuration vllm_bi cannot make batch-invariant."""
 
@@ -55,15 +60,16 @@ def wrap_create_engine_config(orig):
         except ValueError as e:
             raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
         ssm = getattr(self, "mamba_ssm_cache_dtype", "auto")
-        if ssm not in ("auto", "float32", None):
+        want = _STATE_CACHE_DTYPE[current_settings().gdn_state]
+        if ssm not in ("auto", want, None):
             raise BatchInvarianceConfigError(
-                f"vllm_bi: VLLM_BATCH_INVARIANT=1 needs a float32 GDN/SSM state cache, but "
-                f"--mamba-ssm-cache-dtype is {ssm!r} (a {ssm} state is rounded at every prefill split). "
-                "Fix: drop --mamba-ssm-cache-dtype or pass --mamba-ssm-cache-dtype float32."
+                f"vllm_bi: VLLM_BATCH_INVARIANT=1 with VLLM_BI_GDN_STATE={current_settings().gdn_state} needs a {want} "
+                f"GDN/SSM state cache, but --mamba-ssm-cache-dtype is {ssm!r} (a state in another dtype is rounded "
+                f"where a prefill split falls). Fix: drop --mamba-ssm-cache-dtype or pass --mamba-ssm-cache-dtype {want}."
             )
-        if ssm != "float32":
-            self.mamba_ssm_cache_dtype = "float32"
-            logger.info("vllm_bi: batch invariance: SSM state cache dtype auto -> float32")
+        if ssm != want:
+            self.mamba_ssm_cache_dtype = want
+            logger.info("vllm_bi: batch invariance: SSM state cache dtype auto -> %s", want)
         if getattr(self, "speculative_config", None):
             _check_speculative(self, current_platform)
         if current_platform.is_cpu() and not self.enforce_eager:
