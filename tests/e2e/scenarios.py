@@ -79,6 +79,26 @@ def run_scenarios(srv: VllmServer, prompts: Prompts, modes: dict[str, dict], bus
     return res
 
 
+def corpus_busy_and_alone(srv: VllmServer, model_path: str, seed: int, corpus_seed: int, max_tokens: int,
+                          sample_seed: int) -> tuple[list[list[int]], list[Completion], list[Completion]]:
+    """Four prompts of 70-260 tokens of the tiny models' corpus (6, 9, 14 and 22 of its lines, cut at 260 tokens), each
+    sampled three times in one busy batch of 12 (mixed prefills and decodes), then each alone: ``(prompts, busy,
+    alone)``, ``busy[i::4]`` being prompt ``i``'s three."""
+    from transformers import AutoTokenizer
+
+    from vllm_bi.tiny_models import corpus
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    rng = random.Random(seed)
+    lines = corpus(400, seed=corpus_seed)
+    prompts = [tok(" ".join(rng.choice(lines) for _ in range(n)))["input_ids"][:260] for n in (6, 9, 14, 22)]
+    reqs = [dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=sample_seed + i)
+            for i, p in enumerate(prompts)]
+    busy = srv.complete_many(reqs * 3)
+    alone = [srv.complete(**r) for r in reqs]
+    return prompts, busy, alone
+
+
 def same(a: Completion, b: Completion) -> bool:
     """Identical token ids and bit-identical logprobs (Python floats from JSON are the fp32 values)."""
     return a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -15,7 +15,7 @@ import random
 
 import pytest
 from parity_suite import check_multiturn
-from scenarios import run_multiturn
+from scenarios import corpus_busy_and_alone, run_multiturn
 
 from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.tiny_models import corpus
@@ -30,18 +30,7 @@ def served(tiny_model_path):
     model = tiny_model_path("qwen3.5")
     args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching"]
     with VllmServer(model, env=cpu_env(True, dict(MODE, VLLM_SERVER_DEV_MODE="1")), args=args) as srv:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
-        rng = random.Random(0)
-        lines = corpus(400, seed=3)
-        prompts = []
-        for n_lines in (6, 9, 14, 22):
-            ids = tok(" ".join(rng.choice(lines) for _ in range(n_lines)))["input_ids"]
-            prompts.append(ids[:260])
-        reqs = [dict(prompt_ids=p, max_tokens=20, temperature=1.0, seed=100 + i) for i, p in enumerate(prompts)]
-        busy = srv.complete_many(reqs * 3)  # 12 in flight: each prompt 3 times, mixed prefills and decodes
-        alone = [srv.complete(**r) for r in reqs]
+        prompts, busy, alone = corpus_busy_and_alone(srv, model, seed=0, corpus_seed=3, max_tokens=20, sample_seed=100)
         yield model, srv, prompts, busy, alone
 
 

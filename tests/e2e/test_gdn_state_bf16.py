@@ -12,12 +12,10 @@ in one busy batch with prefix caching on.
   server check refuses that mismatch by name.
 """
 
-import random
-
 import pytest
+from scenarios import corpus_busy_and_alone
 
 from vllm_bi.launcher import VllmServer, cpu_env
-from vllm_bi.tiny_models import corpus
 
 pytestmark = pytest.mark.server
 
@@ -29,15 +27,7 @@ def served(tiny_model_path):
     model = tiny_model_path("qwen3.5")
     args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching"]
     with VllmServer(model, env=cpu_env(True, dict(STATE, VLLM_SERVER_DEV_MODE="1")), args=args) as srv:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
-        rng = random.Random(1)
-        lines = corpus(400, seed=5)
-        prompts = [tok(" ".join(rng.choice(lines) for _ in range(n)))["input_ids"][:260] for n in (6, 9, 14, 22)]
-        reqs = [dict(prompt_ids=p, max_tokens=16, temperature=1.0, seed=200 + i) for i, p in enumerate(prompts)]
-        busy = srv.complete_many(reqs * 3)  # 12 in flight: each prompt 3 times, mixed prefills and decodes
-        alone = [srv.complete(**r) for r in reqs]
+        _, busy, alone = corpus_busy_and_alone(srv, model, seed=1, corpus_seed=5, max_tokens=16, sample_seed=200)
         yield model, srv, busy, alone
 
 
