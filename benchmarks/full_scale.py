@@ -20,8 +20,8 @@ weights). Parts:
     ``--max-model-len``, and the device's peak used memory (``nvidia-smi``) over the side's run.
 
   Every phase is preceded by an unmeasured warm-up with the same shapes (Triton compiles per batch shape).
-* ``parity``: ``vllm-bi parity`` on the checkpoint under the defaults: 16 prompts x 4 samples x 128 tokens,
-  every token bitwise.
+* ``parity``: ``vllm-bi parity`` on the checkpoint for each ``vllm_bi`` side (its settings on server and trainer
+  alike; ``vllm_bi`` alone: the defaults): 16 prompts x 4 samples x 128 tokens, every token bitwise.
 * ``profile``: where each side's GPU time goes, by part. Each side's server runs vLLM's torch profiler
   (``--profiler-config``) over two identical-shape loads on fresh prompts: 64 x 1K-token prompts with
   ``max_tokens=1`` (prefill) and with ``max_tokens=65`` (prefill + 64 decode steps at batch 64); the decode bill is
@@ -433,10 +433,11 @@ def profile_table(rows: list[dict]) -> list[str]:
     return out
 
 
-def parity_part(model: str, out_dir: str, extra_server_args: str = "", settings: dict | None = None) -> dict:
+def parity_part(model: str, out_dir: str, extra_server_args: str = "", settings: dict | None = None,
+                log_name: str = "parity.log") -> dict:
     """``vllm-bi parity`` under the defaults: 16 prompts x 4 samples x 128 tokens (``extra_server_args``: more
     ``vllm serve`` arguments, e.g. a speculative config; ``settings``: ``VLLM_BI_*`` variables for the server and
-    the trainer, none by default)."""
+    the trainer, none by default; its output goes to ``out_dir/log_name``)."""
     rng = random.Random(7)
     words = ("the of and a to in is you that it he was for on are as with his they at be this have from or one had "
              "by word but not what all were we when your can said there use an each which she do how their if will "
@@ -453,7 +454,7 @@ def parity_part(model: str, out_dir: str, extra_server_args: str = "", settings:
             f"--gpu-memory-utilization 0.45 --max-model-len 2048 {DEVIATIONS} {extra_server_args}".strip()]
     t0 = time.time()
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=540)
-    with open(os.path.join(out_dir, "parity.log"), "w") as f:
+    with open(os.path.join(out_dir, log_name), "w") as f:
         f.write(p.stdout + "\n---- stderr\n" + p.stderr)
     try:
         rep = json.loads(p.stdout.strip().splitlines()[-1])
@@ -502,20 +503,20 @@ def main() -> int:
             f"{os.environ.get('VLLM_USE_FLASHINFER_SAMPLER', '(unset)')}; window {args.window:.0f} s per phase", ""]
     rows: list[dict] = []
     profiles: list[dict] = []
-    parity: dict | None = None
+    parity: dict[str, dict] = {}  # per vllm_bi side
 
     def write():
         text = head + (serve_table(rows) if rows else [])
         if profiles:
             text += ["", "## GPU time by part (kernel ms from vLLM's torch profiler; decode = 64 steps at batch 64)",
                      ""] + profile_table(profiles)
-        if parity is not None:
-            text += ["", "## trainer parity at full size (`vllm-bi parity`, defaults, 16 prompts x 4 x 128 tokens)",
-                     "", "```", json.dumps(parity, indent=1), "```"]
+        for side, rep in parity.items():
+            text += ["", f"## trainer parity at full size (`vllm-bi parity`, side {side}, 16 prompts x 4 x 128 tokens)",
+                     "", "```", json.dumps(rep, indent=1), "```"]
         with open(args.out, "w") as f:
             f.write("\n".join(text) + "\n")
         with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-            json.dump({"serve": rows, "profile": profiles, "parity": parity}, f, indent=1)
+            json.dump({"serve": rows, "profile": profiles, "parity": parity or None}, f, indent=1)
 
     if args.part in ("serve", "all"):
         for side in sides:
@@ -534,10 +535,13 @@ def main() -> int:
                 print(f"[full-scale] {side} profile failed: {e}", flush=True)
             write()
     if args.part in ("parity", "all"):
-        parity = parity_part(args.model, out_dir)
-        print(f"[full-scale] parity: {parity.get('bitwise_equal')}/{parity.get('tokens')} equal, exit {parity['exit']}",
-              flush=True)
-        write()
+        for side in [s for s in sides if parse_side(s)[0]] or ["vllm_bi"]:
+            tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", side)
+            rep = parity_part(args.model, out_dir, settings=parse_side(side)[1], log_name=f"parity-{tag}.log")
+            parity[side] = rep
+            print(f"[full-scale] parity {side}: {rep.get('bitwise_equal')}/{rep.get('tokens')} equal, exit "
+                  f"{rep['exit']}", flush=True)
+            write()
     print("\n".join(open(args.out).read().splitlines()))
     return 0
 

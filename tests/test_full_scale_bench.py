@@ -124,3 +124,29 @@ def test_kernel_sites_follow_the_launch_to_the_innermost_vllm_bi_frames(tmp_path
     text = "\n".join(FS.profile_table(rows))
     assert "- 3.0 norms + pointwise | ops/layout.py:canonical_rows < model_executor/gdn.py:bi_gdn_core" in text
     assert "GEMM | vLLM" not in text  # the site list is the small kernels'
+
+
+def test_parity_part_runs_once_per_vllm_bi_side_with_its_settings(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2,
+                                                   "hidden_size": 64, "vocab_size": 512}))
+    calls = []
+
+    def fake_parity(model_dir, out_dir, extra_server_args="", settings=None, log_name="parity.log"):
+        calls.append((settings, log_name))
+        return {"tokens": 8, "bitwise_equal": 8, "exit": 0}
+
+    monkeypatch.setattr(FS, "parity_part", fake_parity)
+    out = tmp_path / "fs.md"
+    monkeypatch.setattr(sys, "argv", ["full_scale.py", "--model", str(model), "--part", "parity", "--out", str(out),
+                                      "--sides", "stock,vllm_bi,vllm_bi:VLLM_BI_GDN_STATE=bf16"])
+    assert FS.main() == 0
+    assert calls == [({}, "parity-vllm_bi.log"),
+                     ({"VLLM_BI_GDN_STATE": "bf16"}, "parity-vllm_bi_VLLM_BI_GDN_STATE=bf16.log")]
+    text = out.read_text()
+    assert "side vllm_bi," in text and "side vllm_bi:VLLM_BI_GDN_STATE=bf16," in text
+    assert set(json.loads((tmp_path / "fs.json").read_text())["parity"]) == {"vllm_bi", "vllm_bi:VLLM_BI_GDN_STATE=bf16"}
