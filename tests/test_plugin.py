@@ -88,6 +88,9 @@ CONFIG_CASES = [
     ("kimi linear, split prefill and prefix caching", "kimi-linear",
      {"enable_prefix_caching": True, "max_num_batched_tokens": 32}),
     ("kimi linear, another attention backend", "kimi-linear", {"attention_backend": "CPU_ATTN"}),
+    # last: from here on the process runs with VLLM_BI_GDN_STATE=bf16
+    ("bf16 setting: auto state cache", "qwen3-next", {}),
+    ("bf16 setting: float32 state cache", "qwen3-next", {"mamba_ssm_cache_dtype": "float32"}),
 ]
 # small configs for the "config:" cases (the other fields keep transformers' defaults)
 OTHER_FAMILIES = {
@@ -129,6 +132,10 @@ def engine_configs(tiny_model_path, tmp_path_factory):
         "import json, sys\n"
         "from vllm.engine.arg_utils import EngineArgs\n"
         f"for name, model, kw in {cases!r}:\n"
+        "    if name.startswith('bf16 setting'):\n"
+        "        import os, vllm_bi.settings\n"
+        "        os.environ['VLLM_BI_GDN_STATE'] = 'bf16'\n"
+        "        vllm_bi.settings.reload()\n"
         "    try:\n"
         "        c = EngineArgs(model=model, **kw).create_engine_config()\n"
         "        row = [name, True, f'{c.cache_config.mamba_ssm_cache_dtype} {c.model_config.enforce_eager}']\n"
@@ -162,6 +169,12 @@ def test_kimi_linear_keeps_split_prefill_and_prefix_caching_on_cpu_mla(engine_co
 def test_explicit_bf16_state_cache_is_refused(engine_configs):
     ok, detail = engine_configs["bf16 state cache"]
     assert not ok and "--mamba-ssm-cache-dtype float32" in detail and "'bfloat16'" in detail, detail
+
+
+def test_bf16_state_setting_allocates_a_bf16_cache_and_refuses_float32(engine_configs):
+    assert engine_configs["bf16 setting: auto state cache"] == (True, "bfloat16 True")
+    ok, detail = engine_configs["bf16 setting: float32 state cache"]
+    assert not ok and "--mamba-ssm-cache-dtype bfloat16" in detail and "VLLM_BI_GDN_STATE=bf16" in detail, detail
 
 
 def test_speculative_decoding_other_than_mtp_or_with_prefix_caching_is_refused(engine_configs):

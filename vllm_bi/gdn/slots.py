@@ -190,10 +190,9 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
     ``q, k [T, H, K]``, ``v [T, HV, V]``, ``g, beta [T, HV]`` (``g`` may be ``[T, HV, K]``, a decay per key
     channel) (l2norm of q and k inside, as fla-core's
-    ``use_qk_l2norm_in_kernel``); ``pool [S, HV, K, V]`` fp32, fla-core's state order, each slot contiguous
-    (bf16: every token's state rounded to bf16 before the next token, so a call's bits are those of one call per
-    token; :func:`vllm_bi.gdn.recurrent.state_dtype`)
-    (vLLM may pad the stride between slots), updated in place;
+    ``use_qk_l2norm_in_kernel``); ``pool [S, HV, K, V]`` fp32 or bf16, fla-core's state order, each slot contiguous
+    (vLLM may pad the stride between slots), updated in place (a bf16 pool: every token's state rounded to bf16 before
+    the next token, so a call's bits are those of one call per token; :func:`vllm_bi.gdn.recurrent.state_dtype`);
     ``slots [N]`` each sequence's slot (device; distinct, except vLLM's padding rows, which all use slot 0,
     the null block); ``cu [N + 1]`` offsets (device); ``fresh [N]`` nonzero where a sequence starts from zeros.
     Returns ``o [T, HV, V]`` in ``v.dtype``.
