@@ -176,3 +176,39 @@ print("ok")
 def test_slot_kernel_is_split_exact_with_a_bf16_pool_in_interpreter(interpreted):
     pytest.importorskip("triton")
     interpreted(KERNEL)
+
+
+TRAINER = """
+import torch
+from vllm_bi.gdn.recurrent import FLAGatedDeltaRule
+from vllm_bi.gdn.slots import recurrent_in_slots, FLA_TILE
+
+torch.manual_seed(1)
+H, HV, K, V = 2, 4, 16, 16
+lens = [5, 9]
+T = sum(lens)
+q, k = torch.randn(1, T, H, K).bfloat16(), torch.randn(1, T, H, K).bfloat16()
+v = torch.randn(1, T, HV, V).bfloat16()
+g, beta = -torch.rand(1, T, HV) * 0.5, torch.rand(1, T, HV)
+h0 = torch.zeros(2, HV, K, V)
+cu = torch.tensor([0, 5, 14])
+o, ht = FLAGatedDeltaRule.apply("recurrent", q, k, v, g, beta, h0, cu, K ** -0.5)
+# the server's path: every token its own call on a bf16 pool, fla-core's tile
+pool = torch.zeros(2, HV, K, V).bfloat16()
+steps = [recurrent_in_slots(q[0, t:t + 1], k[0, t:t + 1], v[0, t:t + 1], g[0, t:t + 1], beta[0, t:t + 1], pool,
+                            torch.tensor([0 if t < 5 else 1]), torch.tensor([0, 1]), K ** -0.5, tile=FLA_TILE)
+         for t in range(T)]
+assert torch.equal(o[0], torch.cat(steps)), "trainer forward != server steps"
+assert ht.dtype == torch.float32 and torch.equal(ht, pool.float())
+print("ok")
+"""
+
+
+def test_trainer_forward_runs_the_rounding_kernel_under_every_tile_in_interpreter(interpreted):
+    """The trainer's CUDA forward (``FLAGatedDeltaRule``, ``kind="recurrent"``) under ``VLLM_BI_GDN_STATE=bf16`` runs
+    the in-slot kernel on a bf16 pool even with fla-core's tile (fla-core's own kernel does not round), giving the
+    bits of the server's one-token steps; through Triton's interpreter, the tensors on CPU."""
+    pytest.importorskip("triton")
+    env_script = ("import os\nos.environ['VLLM_BI_GDN_STATE'] = 'bf16'\nos.environ['VLLM_BI_GDN_TILE'] = 'fla'\n"
+                  "os.environ['VLLM_BI_GDN_MODE'] = 'recurrent'\n")
+    interpreted(env_script + TRAINER)
