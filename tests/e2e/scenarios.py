@@ -99,6 +99,22 @@ def corpus_busy_and_alone(srv: VllmServer, model_path: str, seed: int, corpus_se
     return prompts, busy, alone
 
 
+def check_alone_equals_busy(busy: list[Completion], alone: list[Completion]) -> None:
+    """P1 on :func:`corpus_busy_and_alone`'s result: each prompt's three busy samples == its sample alone (tokens and
+    logprobs, exact)."""
+    for i, a in enumerate(alone):
+        for b in busy[i::len(alone)]:
+            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs, f"prompt {i}: busy != alone"
+
+
+def check_decode_equals_prompt_logprobs(srv: VllmServer, completions: list[Completion]) -> None:
+    """P3: each completion's decode logprobs == the ``prompt_logprobs`` of prompt + completion sent back."""
+    for c in completions:
+        n = len(c.prompt_ids)
+        r = srv.complete(prompt_ids=c.prompt_ids + c.token_ids, max_tokens=1, prompt_logprobs=True)
+        assert r.prompt_logprobs[n : n + len(c.token_ids)] == c.logprobs
+
+
 def same(a: Completion, b: Completion) -> bool:
     """Identical token ids and bit-identical logprobs (Python floats from JSON are the fp32 values)."""
     return a.token_ids == b.token_ids and a.logprobs == b.logprobs

@@ -13,7 +13,7 @@ in one busy batch with prefix caching on.
 """
 
 import pytest
-from scenarios import corpus_busy_and_alone
+from scenarios import check_alone_equals_busy, check_decode_equals_prompt_logprobs, corpus_busy_and_alone
 
 from vllm_bi.launcher import VllmServer, cpu_env
 
@@ -39,18 +39,12 @@ def test_server_reports_the_bf16_state(served):
 
 def test_p1_alone_equals_busy(served):
     _, _, busy, alone = served
-    for i, a in enumerate(alone):
-        for b in busy[i::4]:
-            assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    check_alone_equals_busy(busy, alone)
 
 
 def test_p3_decode_equals_prompt_logprobs(served):
     _, srv, _, alone = served
-    for c in alone[:2]:
-        full = c.prompt_ids + c.token_ids
-        r = srv.complete(prompt_ids=full, max_tokens=1, prompt_logprobs=True)
-        n = len(c.prompt_ids)
-        assert r.prompt_logprobs[n : n + len(c.token_ids)] == c.logprobs
+    check_decode_equals_prompt_logprobs(srv, alone[:2])
 
 
 def test_p4_trainer_with_the_bf16_state_is_bit_exact(served, monkeypatch):
