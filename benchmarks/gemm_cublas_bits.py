@@ -17,6 +17,10 @@ product ("rows differing": how many of the rows checked had other bits). A fused
 halves, ``in_proj_qkvz``'s four parts) are checked against the fused product's columns. Timing: median of CUDA
 event timings per call at the ``M`` of :data:`TIME_MS`, and vLLM's batch-invariant Triton persistent matmul with
 vllm_bi's default tile table beside it (what ``VLLM_BI_GEMM=triton`` runs today), in the ``no-split-k`` child.
+
+Measured on an H100 (``docs/results/2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md``): one row of the 64-column
+``in_proj_ba`` differed at ``M = 1`` with split-K off, and it cost 2-3x cuBLAS's default at small ``M``; so vllm_bi
+keeps no cuBLAS GEMM mode.
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ def child(env_name: str, rows: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    if env_name != "stock":  # VLLM_BI_GEMM=cublas's own setup, with this child's workspace settings
-        from vllm_bi.ops.linear import no_split_k
-
-        no_split_k(ENVS[env_name])
+    if env_name != "stock":  # vLLM's settings for cuBLAS without split-K, with this child's workspace settings
+        os.environ.update(ENVS[env_name])
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cuda.preferred_blas_library(backend="cublaslt")
     out = {"env": env_name, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:

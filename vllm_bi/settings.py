@@ -121,10 +121,9 @@ SETTINGS = (
           f"{GDN_MODE_AUTO_CUDA} where the process has a CUDA device, recurrent elsewhere; docs/gdn-modes.md"),
     _Spec("cuda_ops", "vllm_bi", ("vllm_bi", "vllm"),
           "CUDA kernels: the trainer's op library, or vLLM's own batch-invariant ones (serving only, no parity)"),
-    _Spec("gemm", "auto", ("auto", "fp64", "triton", "cublas"),
-          "GEMM arithmetic: float64 accumulation (exact everywhere), vLLM's batch-invariant Triton matmul (CUDA), or "
-          "cuBLAS bf16 with split-K off (CUDA, experimental: its bits depend on the GPU model and the CUDA version; "
-          "benchmarks/gemm_cublas_bits.py measures its batch invariance); auto: triton on CUDA, fp64 on CPU"),
+    _Spec("gemm", "auto", ("auto", "fp64", "triton"),
+          "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA); "
+          "auto: triton on CUDA, fp64 on CPU"),
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
           "(h200-qwen3.5-9b), vllm (vLLM's own tiles) or tune (tuned for this device and the served model's shapes "
           "on a server's first start, cached under VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
@@ -206,7 +205,11 @@ ABSENT_MEANT = {"gdn_tile": "fla", "gdn_gates": "torch", "gdn_state": "fp32"}
 _ALIASES = {"cuda_graphs": {"": "off", "0": "off", "none": "off"}}
 # retired values: refused with why and what to use instead
 _RETIRED = {"gdn_mode": {"hybrid": "is no longer a mode (retired: it served at the recurrent mode's speed and was "
-                                   "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"}}
+                                   "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"},
+            "gemm": {"cublas": "is refused: cuBLAS with split-K off was measured not batch-invariant on an H100 (a row "
+                               "of a 64-column GEMM differed at one row; docs/results/"
+                               "2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md) and slower than the Triton "
+                               "GEMM; use triton (the CUDA default) or fp64"}}
 
 
 def _parse(spec: _Spec, raw: str, origin: str):
@@ -383,7 +386,7 @@ class Settings:
         return CHUNK_DECODE_AUTO_CUDA if self.chunk_decode == "auto" else self.chunk_decode
 
     def gemm_on(self, device: str) -> str:
-        """The GEMM arithmetic on ``device`` (``fp64``, ``triton`` or ``cublas``; CPU tensors always take float64)."""
+        """The GEMM arithmetic on ``device`` (``fp64`` or ``triton``; CPU tensors always take float64)."""
         if device != "cuda":
             return "fp64"
         return "triton" if self.gemm == "auto" else self.gemm
@@ -447,8 +450,8 @@ class Settings:
         (:func:`diff`)."""
         gemm = self.gemm_on(device)
         return {"gdn_mode": self.gdn_mode, "ops": self.ops(device), "gemm": gemm,
-                "gemm_configs": (self.gemm_tiles() if gemm == "triton" else cublas_identity() if gemm == "cublas"
-                                 else "none"), "attention": self.attention_op(device),
+                "gemm_configs": self.gemm_tiles() if gemm == "triton" else "none",
+                "attention": self.attention_op(device),
                 "rowwise": self.rowwise_op(device), "moe": self.moe_path(device),
                 "logprobs": self.logprobs_op(device), "gdn_tile": self.recurrent_tile(device),
                 "gdn_gates": self.gdn_gates_op(device), "gdn_state": self.gdn_state}
@@ -534,14 +537,6 @@ def builtin_tables() -> list[str]:
         return []
 
 
-def cublas_identity() -> str:
-    """What cuBLAS's bits depend on beyond the shapes: its CUDA version and the GPU model (its kernels differ by
-    architecture). A trainer under ``VLLM_BI_GEMM=cublas`` matches a server only where this is equal."""
-    import torch
-
-    return f"cuBLAS (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}"
-
-
 def _moe_bits(path: str, gemm: str) -> str:
     """The exact grouped kernels and the loop under the float64 GEMM give the same bits."""
     return "float64" if path == "exact" or (path == "loop" and gemm == "fp64") else f"{path}/{gemm}"
@@ -550,14 +545,13 @@ def _moe_bits(path: str, gemm: str) -> str:
 def diff(server: dict, mine: dict) -> list[tuple[str, object, object]]:
     """``(key, server's value, mine)`` for every arithmetic setting on which two :meth:`Settings.arithmetic` dicts
     give other bits (an absent key, from an older vllm_bi, is not compared). The tile table counts only under the
-    Triton GEMM, cuBLAS's identity (GPU model, CUDA version) under the cuBLAS one; the MoE paths by the bits they
-    give."""
+    Triton GEMM; the MoE paths by the bits they give."""
     out = []
     for key in ARITHMETIC_ENV:
         if key not in server or key not in mine:
             continue
         a, b = server[key], mine[key]
-        if key == "gemm_configs" and mine.get("gemm") not in ("triton", "cublas"):
+        if key == "gemm_configs" and mine.get("gemm") != "triton":
             continue
         if key == "moe":
             if _moe_bits(a, server.get("gemm", "fp64")) == _moe_bits(b, mine.get("gemm", "fp64")):

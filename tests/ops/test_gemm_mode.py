@@ -22,10 +22,16 @@ def test_mode_switch(monkeypatch):
     assert gemm_mode("cuda") == "fp64"
     monkeypatch.setenv("VLLM_BI_GEMM", "triton")
     assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("triton", "fp64")
-    monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
-    assert (gemm_mode("cuda"), gemm_mode("cpu")) == ("cublas", "fp64")
     monkeypatch.setenv("VLLM_BI_GEMM", "cutlass")
-    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cutlass' is not a setting; use one of auto, fp64, triton, cublas"):
+    with pytest.raises(ValueError, match="VLLM_BI_GEMM='cutlass' is not a setting; use one of auto, fp64, triton "):
+        gemm_mode()
+
+
+def test_cublas_is_refused_with_the_measurement(monkeypatch):
+    """cuBLAS without split-K was measured not batch-invariant on an H100: the setting is refused in one line, with the
+    record and the fix."""
+    monkeypatch.setenv("VLLM_BI_GEMM", "cublas")
+    with pytest.raises(ValueError, match=r"VLLM_BI_GEMM='cublas' is refused: .*not batch-invariant.*use triton"):
         gemm_mode()
 
 

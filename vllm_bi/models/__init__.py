@@ -18,11 +18,5 @@ def model_class(path: str):
 
 
 def from_pretrained(path: str):
-    """The trainer model of the checkpoint directory ``path`` (:func:`model_class`), its weights loaded. Under
-    ``VLLM_BI_GEMM=cublas`` it first sets cuBLAS without split-K for the process, as the server's plugin does
-    (:func:`vllm_bi.ops.linear.no_split_k`; before the process's first GEMM)."""
-    from vllm_bi.ops.linear import gemm_mode, no_split_k
-
-    if gemm_mode("cuda") == "cublas":
-        no_split_k()
+    """The trainer model of the checkpoint directory ``path`` (:func:`model_class`), its weights loaded."""
     return model_class(path).from_pretrained(path)

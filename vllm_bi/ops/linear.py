@@ -20,11 +20,9 @@ Its tiles per weight shape and batch-size bucket can be tuned (``VLLM_BI_GEMM_CO
 Products asked for in another output dtype (the fp32 lm_head) stay in float64; tensor parallelism is refused
 in this mode (its row-parallel partials are float64 sums, the trainer's unsharded GEMM would not be).
 
-``VLLM_BI_GEMM=cublas`` (experimental, CUDA) keeps cuBLAS's bf16 GEMM with split-K off (:func:`no_split_k`: vLLM
-0.32's own Hopper/Blackwell batch-invariant settings). It rests on the claim that split-K is cuBLAS's only source
-of batch variance once the workspace is too small for it: a row's fp32 accumulation then runs over ``K`` in one
-order whatever tile the heuristic picks for ``M``. ``benchmarks/gemm_cublas_bits.py`` measures that claim on
-Qwen3.5-9B's shapes. Its bits depend on the GPU model and the CUDA version (``settings.cublas_identity``).
+cuBLAS with split-K off (vLLM 0.32's own Hopper batch-invariant settings) is not a mode: measured on an H100, a row
+of a 64-column GEMM still changed with the batch size, and it was slower than the Triton GEMM
+(``docs/results/2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md``).
 
 Under autograd (the trainer) the forward is unchanged, bit for bit; the backward products need accuracy, not
 bits, and run on bf16 tensor cores with fp32 accumulation on CUDA (fp32 elsewhere) in either mode.
@@ -36,42 +34,16 @@ import os
 
 import torch
 
-__all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm", "no_split_k", "NO_SPLIT_K_ENV"]
+__all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm", "NO_SPLIT_K_ENV"]
 
-# cuBLAS's workspace too small for split-K (vLLM 0.32's settings on Hopper and Blackwell). cuBLAS reads them when a
-# process makes its first handle, so they must be in the environment before the process's first GEMM.
+# cuBLAS's workspace too small for split-K (vLLM 0.32's settings on Hopper and Blackwell), for GEMMs left outside the
+# op library. cuBLAS reads them when a process makes its first handle.
 NO_SPLIT_K_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
-def no_split_k(env: dict[str, str] = NO_SPLIT_K_ENV) -> None:
-    """cuBLAS without split-K in this process: :data:`NO_SPLIT_K_ENV` (``env``: other workspace settings, for
-    ``benchmarks/gemm_cublas_bits.py``), no reduced-precision reductions, cuBLASLt. Call it before the process's
-    first cuBLAS GEMM (the server's plugin and the trainer do)."""
-    os.environ.update(env)
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    if torch.cuda.is_available():
-        torch.backends.cuda.preferred_blas_library(backend="cublaslt")
-
-
-def _cublas_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``VLLM_BI_GEMM=cublas``: cuBLAS's bf16 GEMM with split-K off; refused where the process's settings let it
-    split (they must be set before its first GEMM, which :func:`no_split_k` cannot undo)."""
-    seen = {"CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-            "CUBLASLT_WORKSPACE_SIZE": os.environ.get("CUBLASLT_WORKSPACE_SIZE")}
-    wrong = {k: v for k, v in seen.items() if v != NO_SPLIT_K_ENV[k]}
-    if wrong or torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction:
-        raise RuntimeError(
-            f"vllm_bi: VLLM_BI_GEMM=cublas needs cuBLAS without split-K ({NO_SPLIT_K_ENV}, no reduced-precision "
-            f"reductions) from the process's start; found {wrong or 'reduced-precision reductions on'}. Call "
-            "vllm_bi.ops.linear.no_split_k() before the first GEMM, or use VLLM_BI_GEMM=triton.")
-    return torch.nn.functional.linear(x2, weight, bias)
-
-
 def gemm_mode(device: str = "cuda") -> str:
-    """The GEMM arithmetic on ``device``: ``fp64`` (exact float64 accumulation; CPU tensors always), ``triton``
-    (CUDA bf16/fp16 GEMMs through vLLM's batch-invariant persistent matmul; the CUDA default) or ``cublas``
-    (cuBLAS bf16 with split-K off; experimental). ``VLLM_BI_GEMM``
+    """The GEMM arithmetic on ``device``: ``fp64`` (exact float64 accumulation; CPU tensors always) or ``triton``
+    (CUDA bf16/fp16 GEMMs through vLLM's batch-invariant persistent matmul; the CUDA default). ``VLLM_BI_GEMM``
     chooses; server and trainer must agree (:mod:`vllm_bi.settings`)."""
     from vllm_bi.settings import current
 
@@ -164,8 +136,6 @@ def bi_linear(
         if mode == "triton":
             y = _PersistentLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias)
             return y.reshape(*lead, weight.shape[0])
-        if mode == "cublas":
-            return _cublas_linear(x.reshape(-1, x.shape[-1]), weight, bias).reshape(*lead, weight.shape[0])
     x2 = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         y = _ExactLinear.apply(x2, weight, bias, out_dtype)

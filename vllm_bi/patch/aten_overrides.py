@@ -112,12 +112,9 @@ def enable_cuda_own_ops_mode() -> None:
     the CUDA key, and vLLM's Hopper cuBLAS settings (no split-K) for any GEMM left outside the op library."""
     import os
 
-    from vllm_bi.ops.linear import NO_SPLIT_K_ENV, gemm_mode, no_split_k
+    from vllm_bi.ops.linear import NO_SPLIT_K_ENV
 
-    if gemm_mode("cuda") == "cublas":  # the op library's GEMM is cuBLAS's: the whole set, from the start
-        no_split_k()
-    else:
-        os.environ.update(NO_SPLIT_K_ENV)
+    os.environ.update(NO_SPLIT_K_ENV)
     register_overrides("CUDA")
 
 
