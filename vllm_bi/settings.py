@@ -208,8 +208,8 @@ _RETIRED = {"gdn_mode": {"hybrid": "is no longer a mode (retired: it served at t
                                    "inexact on CUDA; docs/gdn-modes.md); use recurrent (the default) or chunk"},
             "gemm": {"cublas": "is refused: cuBLAS with split-K off was measured not batch-invariant on an H100 (a row "
                                "of a 64-column GEMM differed at one row; docs/results/"
-                               "2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md) and slower than the Triton "
-                               "GEMM; use triton (the CUDA default) or fp64"}}
+                               "2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md) and took 2-3x cuBLAS's "
+                               "default time at small batches; use triton (the CUDA default) or fp64"}}
 
 
 def _parse(spec: _Spec, raw: str, origin: str):

@@ -21,7 +21,7 @@ Products asked for in another output dtype (the fp32 lm_head) stay in float64; t
 in this mode (its row-parallel partials are float64 sums, the trainer's unsharded GEMM would not be).
 
 cuBLAS with split-K off (vLLM 0.32's own Hopper batch-invariant settings) is not a mode: measured on an H100, a row
-of a 64-column GEMM still changed with the batch size, and it was slower than the Triton GEMM
+of a 64-column GEMM still changed with the batch size, and it took 2-3x cuBLAS's default time at small batches
 (``docs/results/2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md``).
 
 Under autograd (the trainer) the forward is unchanged, bit for bit; the backward products need accuracy, not
