@@ -155,9 +155,9 @@ def main(argv=None) -> int:
     dev = args.device
     globals().update(SMALL_DIMS if args.small else DIMS)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    tiles = {n + ("" if st == "fp32" else "+" + st): (parse_tile(n), dtypes[st]) for st in states for n in names}
+    tiles = {n + ("" if st == "fp32" else "+" + st): (parse_tile(n), st) for st in states for n in names}
     names = list(tiles)
-    rows = [[name, *(_consistency(t, dev, 24 if args.small else 200, dt))] for name, (t, dt) in tiles.items()]
+    rows = [[name, *(_consistency(t, dev, 24 if args.small else 200, dtypes[st]))] for name, (t, st) in tiles.items()]
     lines = ["| tile | whole = split = steps = speculative | bits = fla |", "| --- | --- | --- |"]
     lines += [f"| {n} | {'exact' if e else 'DIFFERS'} | {'yes' if s else 'no'} |" for n, e, s in rows]
     if args.small:
@@ -171,8 +171,8 @@ def main(argv=None) -> int:
     for label, lens, fresh in shapes:
         inputs = {st: _inputs(lens, dev, fresh=fresh, dtype=dtypes[st]) for st in states}
         times = {}
-        for n, (t, dt) in tiles.items():
-            q, k, v, g, beta, pool, slots, cu, fr = inputs["fp32" if dt == torch.float32 else "bf16"]
+        for n, (t, st) in tiles.items():
+            q, k, v, g, beta, pool, slots, cu, fr = inputs[st]
             times[n] = timed(lambda t=t, pool=pool: recurrent_in_slots(q, k, v, g, beta, pool, slots, cu, K**-0.5, fr,
                                                                        tile=t),
                              reps=5 if sum(lens) > 4096 else 20, warmup=2)

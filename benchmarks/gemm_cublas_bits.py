@@ -55,8 +55,7 @@ def child(env_name: str, rows: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    if env_name != "stock":  # vLLM's settings for cuBLAS without split-K, with this child's workspace settings
-        os.environ.update(ENVS[env_name])
+    if env_name != "stock":  # the parent set this child's workspace variables (ENVS); vLLM's other settings here
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         torch.backends.cuda.preferred_blas_library(backend="cublaslt")

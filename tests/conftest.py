@@ -94,13 +94,13 @@ def interpreted():
 
 @pytest.fixture(scope="session")
 def bi_server(tiny_model_path):
-    """``with bi_server(family, env) as srv``: a batch-invariant ``vllm serve`` of the tiny ``family`` model (64-token
-    batches, 16 sequences) with extra environment and the dev-mode routes through which ``vllm-bi parity`` reads
-    the server's settings."""
+    """``with bi_server(family, env[, args]) as srv``: a batch-invariant ``vllm serve`` of the tiny ``family`` model
+    (by default 64-token batches, 16 sequences; ``args``: other ``vllm serve`` arguments) with extra environment and
+    the dev-mode routes through which ``vllm-bi parity`` reads the server's settings."""
     from vllm_bi.launcher import VllmServer, cpu_env
 
-    def start(family, env):
-        return VllmServer(tiny_model_path(family), args=["--max-num-batched-tokens", "64", "--max-num-seqs", "16"],
+    def start(family, env, args=("--max-num-batched-tokens", "64", "--max-num-seqs", "16")):
+        return VllmServer(tiny_model_path(family), args=list(args),
                           env=cpu_env(True, dict(env, VLLM_SERVER_DEV_MODE="1")))
 
     return start

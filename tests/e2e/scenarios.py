@@ -79,6 +79,10 @@ def run_scenarios(srv: VllmServer, prompts: Prompts, modes: dict[str, dict], bus
     return res
 
 
+# the server of the corpus scenario: prompts prefilled in 32-token steps, 16 sequences, prefix caching on
+CORPUS_SERVER_ARGS = ("--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching")
+
+
 def corpus_busy_and_alone(srv: VllmServer, model_path: str, seed: int, corpus_seed: int, max_tokens: int,
                           sample_seed: int) -> tuple[list[list[int]], list[Completion], list[Completion]]:
     """Four prompts of 70-260 tokens of the tiny models' corpus (6, 9, 14 and 22 of its lines, cut at 260 tokens), each

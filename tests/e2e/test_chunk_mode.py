@@ -15,10 +15,9 @@ import random
 
 import pytest
 from parity_suite import check_multiturn
-from scenarios import (check_alone_equals_busy, check_decode_equals_prompt_logprobs, corpus_busy_and_alone,
-                       run_multiturn)
+from scenarios import (CORPUS_SERVER_ARGS, check_alone_equals_busy, check_decode_equals_prompt_logprobs,
+                       corpus_busy_and_alone, run_multiturn)
 
-from vllm_bi.launcher import VllmServer, cpu_env
 from vllm_bi.tiny_models import corpus
 
 pytestmark = pytest.mark.server
@@ -27,10 +26,9 @@ MODE = {"VLLM_BI_GDN_MODE": "chunk"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_path):
+def served(tiny_model_path, bi_server):
     model = tiny_model_path("qwen3.5")
-    args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching"]
-    with VllmServer(model, env=cpu_env(True, dict(MODE, VLLM_SERVER_DEV_MODE="1")), args=args) as srv:
+    with bi_server("qwen3.5", MODE, CORPUS_SERVER_ARGS) as srv:
         prompts, busy, alone = corpus_busy_and_alone(srv, model, seed=0, corpus_seed=3, max_tokens=20, sample_seed=100)
         yield model, srv, prompts, busy, alone
 

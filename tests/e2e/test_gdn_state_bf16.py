@@ -13,9 +13,8 @@ in one busy batch with prefix caching on.
 """
 
 import pytest
-from scenarios import check_alone_equals_busy, check_decode_equals_prompt_logprobs, corpus_busy_and_alone
-
-from vllm_bi.launcher import VllmServer, cpu_env
+from scenarios import (CORPUS_SERVER_ARGS, check_alone_equals_busy, check_decode_equals_prompt_logprobs,
+                       corpus_busy_and_alone)
 
 pytestmark = pytest.mark.server
 
@@ -23,10 +22,9 @@ STATE = {"VLLM_BI_GDN_STATE": "bf16"}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_path):
+def served(tiny_model_path, bi_server):
     model = tiny_model_path("qwen3.5")
-    args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--enable-prefix-caching"]
-    with VllmServer(model, env=cpu_env(True, dict(STATE, VLLM_SERVER_DEV_MODE="1")), args=args) as srv:
+    with bi_server("qwen3.5", STATE, CORPUS_SERVER_ARGS) as srv:
         _, busy, alone = corpus_busy_and_alone(srv, model, seed=1, corpus_seed=5, max_tokens=16, sample_seed=200)
         yield model, srv, busy, alone
 

@@ -30,8 +30,6 @@ bits, and run on bf16 tensor cores with fp32 accumulation on CUDA (fp32 elsewher
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 __all__ = ["gemm_mode", "bi_linear", "bi_mm", "bi_bmm", "NO_SPLIT_K_ENV"]

@@ -40,10 +40,6 @@ __all__ = ["BatchInvarianceConfigError", "wrap_create_engine_config", "wrap_cpu_
 logger = logging.getLogger("vllm_bi")
 
 
-# the state cache dtype vLLM allocates (--mamba-ssm-cache-dtype) for each VLLM_BI_GDN_STATE
-_STATE_CACHE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
-
-
 class BatchInvarianceConfigError(ValueError):
     """A configuration vllm_bi cannot make batch-invariant."""
 
@@ -60,7 +56,9 @@ def wrap_create_engine_config(orig):
         except ValueError as e:
             raise BatchInvarianceConfigError(f"vllm_bi: {e}") from None
         ssm = getattr(self, "mamba_ssm_cache_dtype", "auto")
-        want = _STATE_CACHE_DTYPE[current_settings().gdn_state]
+        from vllm_bi.gdn.recurrent import state_dtype
+
+        want = str(state_dtype()).removeprefix("torch.")  # --mamba-ssm-cache-dtype's name of VLLM_BI_GDN_STATE's dtype
         if ssm not in ("auto", want, None):
             raise BatchInvarianceConfigError(
                 f"vllm_bi: VLLM_BATCH_INVARIANT=1 with VLLM_BI_GDN_STATE={current_settings().gdn_state} needs a {want} "
