@@ -87,8 +87,10 @@ CANONICAL_ROWS_CUDA = True
 GDN_TILE_AUTO_CUDA = "16x1x3"
 # The GDN gates on CUDA under VLLM_BI_GDN_GATES=auto: "torch" (vllm_bi.ops.pointwise, one kernel per operation) or
 # "triton" (vllm_bi.ops.gates_triton: one kernel, the same operations in the same order, meant to give torch's bits;
-# tests/gpu/test_gates_cuda.py checks that). A change here lands with a GPU run of that test and a gate.
-GDN_GATES_AUTO_CUDA = "torch"
+# tests/gpu/test_gates_cuda.py checks that; a 9B-dims layer step took 0.67-0.85x the torch kernels' GPU time with the
+# direct IO below: docs/results/2026-12-07-h100-cublas-bits-bf16-state-and-gdn-glue.md). A change here lands with a GPU
+# run of that test and a gate.
+GDN_GATES_AUTO_CUDA = "triton"
 # How the recurrent mode's server step moves its data on CUDA under VLLM_BI_GDN_IO=auto: "copies" (torch copies: the
 # conv states gathered out of their cache slots and the new requests' zeroed, q, k and v split out of the conv's
 # output, the core's output scattered into the layer's rows, the new conv states stored back) or "direct" (the conv
@@ -96,7 +98,7 @@ GDN_GATES_AUTO_CUDA = "torch"
 # rows: vllm_bi.ops.conv.slot_causal_conv1d). The same arithmetic on the same values, so the same bits by
 # construction; tests/gpu/test_gdn_io_cuda.py checks them with torch.equal. A change here lands with that GPU run
 # and a gate.
-GDN_IO_AUTO_CUDA = "copies"
+GDN_IO_AUTO_CUDA = "direct"
 # What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
 # device) or "tune" (a table tuned for this device and the served model on a server's first start and cached, the
 # entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a product's
