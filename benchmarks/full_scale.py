@@ -536,8 +536,8 @@ def main() -> int:
             write()
     if args.part in ("parity", "all"):
         for side in [s for s in sides if parse_side(s)[0]] or ["vllm_bi"]:
-            tag = re.sub(r"[^A-Za-z0-9_.=-]+", "_", side)
-            rep = parity_part(args.model, out_dir, settings=parse_side(side)[1], log_name=f"parity-{tag}.log")
+            rep = parity_part(args.model, out_dir, settings=parse_side(side)[1],
+                              log_name=f"parity-{_file_label(side)}.log")
             parity[side] = rep
             print(f"[full-scale] parity {side}: {rep.get('bitwise_equal')}/{rep.get('tokens')} equal, exit "
                   f"{rep['exit']}", flush=True)

@@ -35,3 +35,23 @@ def test_trainer_refuses_a_server_with_another_moe_path(monkeypatch):
     # the float64 grouped kernels give the loop's bits (under the float64 GEMM): either side may use either
     monkeypatch.setenv("VLLM_BI_MOE", "exact")
     assert settings_mismatch(dict(info, moe="loop")) is None and settings_mismatch(info)
+
+
+def test_trainer_settings_line_names_the_gdn_state_tile_and_gates(monkeypatch):
+    """The parity report's settings line says which GDN state, tile and gates decided the trainer's bits: a bf16-state
+    run must not read like an fp32 one."""
+    from vllm_bi.parity import trainer_settings
+    from vllm_bi.settings import reload
+
+    for k in ("VLLM_BI_GDN_STATE", "VLLM_BI_GDN_TILE", "VLLM_BI_GDN_GATES", "VLLM_BI_GDN_MODE", "VLLM_BI_PRESET"):
+        monkeypatch.delenv(k, raising=False)
+    reload()
+    assert "GDN recurrent (state fp32, gates torch)" in trainer_settings("cpu")
+    monkeypatch.setenv("VLLM_BI_GDN_STATE", "bf16")
+    monkeypatch.setenv("VLLM_BI_GDN_TILE", "32x2x3")
+    reload()
+    try:
+        assert "(state bf16, tile 32x2x3, gates triton)" in trainer_settings("cuda")
+    finally:
+        monkeypatch.undo()
+        reload()

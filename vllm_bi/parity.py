@@ -405,5 +405,6 @@ def trainer_settings(device: str) -> str:
 
     a = current().arithmetic(device)
     tiles = f" (tiles {a['gemm_configs']})" if a["gemm"] == "triton" else ""
-    return (f"GDN {a['gdn_mode']}, GEMM {a['gemm']}{tiles}, attention {a['attention']}, MoE experts {a['moe']}, "
-            f"trainer on {device}")
+    gdn_tile = f", tile {a['gdn_tile']}" if a["gdn_tile"] != "none" else ""
+    return (f"GDN {a['gdn_mode']} (state {a['gdn_state']}{gdn_tile}, gates {a['gdn_gates']}), GEMM {a['gemm']}{tiles}, "
+            f"attention {a['attention']}, MoE experts {a['moe']}, trainer on {device}")

@@ -102,8 +102,11 @@ if triton is not None:
         S0 = tl.load(state, mask=tile_ok, other=0).to(tl.float32)
         if HAS_FRESH:
             S0 = tl.where(tl.load(fresh + seq) != 0, 0.0, S0)
-        S = tl.zeros([BK, BVC], dtype=tl.float32)
-        S += S0
+        if ROUND:  # a bf16 pool: the state carried as stored (no 0 + S), so a reload gives the bits carried on
+            S = S0
+        else:  # fla-core's start, 0 + S
+            S = tl.zeros([BK, BVC], dtype=tl.float32)
+            S += S0
         for t in tl.range(first, stop):
             qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
             kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
@@ -121,15 +124,16 @@ if triton is not None:
             ot = tl.sum(S * qt[:, None], 0)
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
             if ROUND:  # a bf16 pool: every token's state as a call that stored and reloaded it would see it
-                S = tl.zeros([BK, BVC], dtype=tl.float32) + S.to(pool.dtype.element_ty).to(tl.float32)
+                S = S.to(pool.dtype.element_ty).to(tl.float32)
         tl.store(state, S.to(pool.dtype.element_ty), mask=tile_ok)
 
     @triton.jit
     def _spec_in_slots(q, k, v, g, beta, o, pool, slot_stride, slots, table, table_stride, cu, scale,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BVC: tl.constexpr, GK: tl.constexpr):
+                       BK: tl.constexpr, BVC: tl.constexpr, GK: tl.constexpr, ROUND: tl.constexpr):
         # _step_in_slots's program and per-token arithmetic; after token t the state goes into slot
-        # table[seq, t - first], then on through 0 + S, as a call that loaded it from there would
+        # table[seq, t - first], then on as a call that loaded it from there would: through 0 + S for an fp32
+        # pool, as stored for a bf16 one (ROUND, as _step_in_slots)
         pid = tl.program_id(0).to(tl.int64)
         n_vb = tl.cdiv(V, BVC)
         vb, seq_head = pid % n_vb, pid // n_vb
@@ -144,8 +148,11 @@ if triton is not None:
         tile_ok = k_ok[:, None] & v_ok[None, :]
         in_slot = hv * (K * V) + ks[:, None] * V + vs[None, :]
         S0 = tl.load(pool + slot * slot_stride + in_slot, mask=tile_ok, other=0).to(tl.float32)
-        S = tl.zeros([BK, BVC], dtype=tl.float32)
-        S += S0
+        if ROUND:  # a bf16 pool: the state carried as stored (no 0 + S), so a reload gives the bits carried on
+            S = S0
+        else:  # fla-core's start, 0 + S
+            S = tl.zeros([BK, BVC], dtype=tl.float32)
+            S += S0
         for t in tl.range(first, stop):
             qt = tl.load(q + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
             kt = tl.load(k + (t * H + hk) * K + ks, mask=k_ok, other=0).to(tl.float32)
@@ -164,7 +171,10 @@ if triton is not None:
             tl.store(o + (t * HV + hv) * V + vs, ot.to(o.dtype.element_ty), mask=v_ok)
             dst = tl.load(table + seq * table_stride + (t - first)).to(tl.int64)
             tl.store(pool + dst * slot_stride + in_slot, S.to(pool.dtype.element_ty), mask=tile_ok)
-            S = tl.zeros([BK, BVC], dtype=tl.float32) + S.to(pool.dtype.element_ty).to(tl.float32)
+            if ROUND:
+                S = S.to(pool.dtype.element_ty).to(tl.float32)
+            else:
+                S = tl.zeros([BK, BVC], dtype=tl.float32) + S.to(pool.dtype.element_ty).to(tl.float32)
 
 
 def check_slot_pool(who: str, x: torch.Tensor, pool: torch.Tensor, HV: int, K: int, V: int) -> None:
@@ -227,7 +237,7 @@ def recurrent_in_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         table = spec_slots.contiguous()
         _spec_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, table, table.stride(0), cu, scale,
                              H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv, GK=g.dim() == 3,
-                             num_warps=tile.warps, num_stages=tile.stages)
+                             ROUND=pool.dtype != torch.float32, num_warps=tile.warps, num_stages=tile.stages)
         return o
     _step_in_slots[grid](q, k, v, g, beta, o, pool, pool.stride(0), slots, fresh if fresh is not None else slots, cu, scale,
                          H=H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BVC=tile.bv, HAS_FRESH=fresh is not None,
