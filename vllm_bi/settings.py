@@ -187,7 +187,8 @@ SETTINGS = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 PRESETS = {
     "auto": {},
-    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch", "gdn_tile": "fla"},
+    "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch", "gdn_tile": "fla",
+                 "gdn_gates": "torch", "gdn_io": "copies"},
     "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each

@@ -73,6 +73,9 @@ def test_the_gates_setting_picks_the_path_and_is_part_of_the_arithmetic(monkeypa
 
     assert S.Settings.from_env({}).gdn_gates_op("cpu") == "torch"
     assert S.Settings.from_env({}).gdn_gates_op("cuda") == S.GDN_GATES_AUTO_CUDA
+    # the portable preset (and so CUDA under tensor parallelism) keeps torch's gates and the copying glue
+    portable = S.Settings.from_env({"VLLM_BI_PRESET": "portable"})
+    assert (portable.gdn_gates_op("cuda"), portable.gdn_io_op("cuda")) == ("torch", "copies")
     trit = S.Settings.from_env({"VLLM_BI_GDN_GATES": "triton"})
     torch_side = S.Settings.from_env({"VLLM_BI_GDN_GATES": "torch"})
     assert S.diff(torch_side.arithmetic("cuda"), trit.arithmetic("cuda")) == [("gdn_gates", "torch", "triton")]
