@@ -266,3 +266,7 @@ def test_a_run_from_before_the_gates_setting_resumed_under_the_gates_kernel_is_r
             check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_GATES": "triton"}).arithmetic(dev))
         assert "\n" not in str(e.value) and "VLLM_BI_GDN_GATES" in str(e.value)
         check_resume_settings(str(tmp_path), old, Settings.from_env({"VLLM_BI_GDN_GATES": "torch"}).arithmetic(dev))
+    # CUDA's defaults run the kernel: a run with torch's gates resumed under them is refused
+    old = Settings.from_env({"VLLM_BI_GDN_GATES": "torch"}).arithmetic("cuda")
+    with pytest.raises(TrainerError, match="VLLM_BI_GDN_GATES"):
+        check_resume_settings(str(tmp_path), old, Settings.from_env({}).arithmetic("cuda"))
