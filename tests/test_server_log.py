@@ -76,3 +76,16 @@ def test_a_chosen_port_taken_before_the_server_binds_it_is_replaced(tmp_path):
                 == str(srv.port)
         with pytest.raises(ServerStartError, match="Address already in use"):
             _FakeServe("m", port=busy, log_path=str(tmp_path / "b.log"), startup_timeout=30).start()
+
+
+def test_a_flag_the_caller_gives_is_passed_once():
+    """The launcher's own `vllm serve` defaults give way to the caller's flags (in either spelling), so vLLM never
+    sees a flag twice; the defaults the caller leaves out are still passed."""
+    srv = VllmServer("/m", args=["--max-model-len", "4096", "--gpu-memory-utilization=0.5"])
+    a = srv.args
+    assert a.count("--max-model-len") == 1 and a[a.index("--max-model-len") + 1] == "4096"
+    assert not any(x == "--gpu-memory-utilization" or x == "--gpu-memory-utilization=0.2" for x in a)
+    assert "--gpu-memory-utilization=0.5" in a
+    assert a[a.index("--dtype") + 1] == "bfloat16" and a[a.index("--max-logprobs") + 1] == "5"
+    plain = VllmServer("/m").args
+    assert plain[plain.index("--max-model-len") + 1] == "2048"

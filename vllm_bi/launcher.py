@@ -97,6 +97,10 @@ def log_excerpt(path: str, n: int = 60, max_cause: int = 60) -> str:
 class VllmServer(VllmClient):
     """``with VllmServer(model, batch_invariant=True, args=[...]) as srv: srv.complete(...)``."""
 
+    # `vllm serve` flags this launcher sets unless ``args`` gives them
+    DEFAULT_ARGS = (("--dtype", "bfloat16"), ("--max-model-len", "2048"), ("--gpu-memory-utilization", "0.2"),
+                    ("--generation-config", "vllm"), ("--max-logprobs", "5"))
+
     def __init__(
         self,
         model: str,
@@ -128,11 +132,9 @@ class VllmServer(VllmClient):
             self.env["VLLM_API_KEY"] = key
         url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         super().__init__(f"http://{url_host}:{self.port}", model, api_key=key)
-        self.args = [
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-            "--max-model-len", "2048", "--gpu-memory-utilization", "0.2",
-            "--generation-config", "vllm", "--max-logprobs", "5",
-        ] + user_args
+        defaults = [flag_value for name, value in self.DEFAULT_ARGS if _flag(user_args, name) is None
+                    for flag_value in (name, value)]  # a flag the caller gives is passed once, as given
+        self.args = ["--host", "127.0.0.1", "--port", str(self.port)] + defaults + user_args
         self.startup_timeout = startup_timeout
         self.log_path = log_path or tempfile.mktemp(prefix="vllm_bi_server_", suffix=".log")
         self.proc: subprocess.Popen | None = None
