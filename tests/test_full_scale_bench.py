@@ -146,7 +146,7 @@ def test_parity_part_runs_once_per_vllm_bi_side_with_its_settings(tmp_path, monk
                                       "--sides", "stock,vllm_bi,vllm_bi:VLLM_BI_GDN_STATE=bf16"])
     assert FS.main() == 0
     assert calls == [({}, "parity-vllm_bi.log"),
-                     ({"VLLM_BI_GDN_STATE": "bf16"}, "parity-vllm_bi_VLLM_BI_GDN_STATE=bf16.log")]
+                     ({"VLLM_BI_GDN_STATE": "bf16"}, "parity-vllm_bi_VLLM_BI_GDN_STATE_bf16.log")]
     text = out.read_text()
     assert "side vllm_bi," in text and "side vllm_bi:VLLM_BI_GDN_STATE=bf16," in text
     assert set(json.loads((tmp_path / "fs.json").read_text())["parity"]) == {"vllm_bi", "vllm_bi:VLLM_BI_GDN_STATE=bf16"}
