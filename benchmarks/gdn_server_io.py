@@ -1,7 +1,7 @@
 """Benchmark: the recurrent GDN server step's glue on CUDA, one layer at Qwen3.5-9B dimensions, side by side in one
-process: with torch copies around the kernels (``VLLM_BI_GDN_IO=copies``, the default) against without them
-(``direct``: the conv reading and writing its states in their cache slots, q, k and v written apart, the kernel
-writing the layer's rows), each with the gates as torch's elementwise kernels or one Triton kernel
+process: with torch copies around the kernels (``VLLM_BI_GDN_IO=copies``, the portable preset's) against without
+them (``direct``, CUDA's default: the conv reading and writing its states in their cache slots, q, k and v written
+apart, the kernel writing the layer's rows), each with the gates as torch's elementwise kernels or one Triton kernel
 (``VLLM_BI_GDN_GATES``); and stock's core (fla-core's conv and chunked / fused recurrent kernels) for scale.
 
     python benchmarks/gdn_server_io.py [--shapes prefill:64x1024,decode:64x1,decode:256x1] [--no-stock] [--out io.md]
