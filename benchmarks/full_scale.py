@@ -15,9 +15,11 @@ weights). Parts:
     generated tokens/s of wall time, and the mean time per output token from the server's own histogram
     (``vllm:inter_token_latency_seconds``);
   - an RL-shaped load: one wave of 64 prompts x 8 samples (512-token prompts, 256 tokens at temperature 1, a seed
-    per sample) -> generated tokens/s over the wave;
+    per sample) -> generated tokens/s over the wave, and the share of its prompt tokens the prefix cache served
+    (vLLM's ``vllm:prefix_cache_*`` counters over the wave: the samples of a prompt can share its cached blocks);
   - memory: the KV-cache size and the maximum concurrency the server's start-up log reports for its
-    ``--max-model-len``, and the device's peak used memory (``nvidia-smi``) over the side's run.
+    ``--max-model-len``, the attention block it chose (a hybrid model's block holds one GDN state's page, so it is
+    the prefix cache's grain), and the device's peak used memory (``nvidia-smi``) over the side's run.
 
   Every phase is preceded by an unmeasured warm-up with the same shapes (Triton compiles per batch shape).
 * ``parity``: ``vllm-bi parity`` on the checkpoint for each ``vllm_bi`` side (its settings on server and trainer
@@ -55,6 +57,8 @@ DEVIATIONS = "--gdn-prefill-backend triton"
 SERVER_ARGS = "--gpu-memory-utilization 0.85 --max-model-len 4096 --max-num-seqs 256"
 _KV = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
 _KV_MEM = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+# vLLM sizes a hybrid model's attention block so that one page holds a GDN layer's state: the prefix cache's grain
+_BLOCK = re.compile(r"Setting attention block size to (\d+) tokens")
 
 
 def _prompts(n: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
@@ -128,17 +132,26 @@ def closed_loop(srv, clients: int, window: float, prompt_len: int, max_tokens: i
             "tpot_ms": 1000 * (s1 - s0) / (c1 - c0) if c1 > c0 else None}
 
 
+def _prefix_counters(srv) -> tuple[float, float]:
+    """vLLM's prefix-cache counters (hit and queried prompt tokens), ``_total`` as Prometheus names counters."""
+    return (srv.metric_sum("vllm:prefix_cache_hits_total"), srv.metric_sum("vllm:prefix_cache_queries_total"))
+
+
 def rl_wave(srv, prompts: int, samples: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> dict:
-    """One RL step's rollout: ``prompts`` x ``samples`` requests at once (temperature 1, a seed per sample)."""
+    """One RL step's rollout: ``prompts`` x ``samples`` requests at once (temperature 1, a seed per sample); with
+    the share of its prompt tokens the prefix cache served (the samples of a prompt share it)."""
     rng = random.Random(seed)
     ps = _prompts(prompts, prompt_len, vocab, rng)
     reqs = [dict(prompt_ids=p, max_tokens=max_tokens, temperature=1.0, seed=seed * 100003 + i * samples + j)
             for i, p in enumerate(ps) for j in range(samples)]
+    h0, q0 = _prefix_counters(srv)
     t0 = time.perf_counter()
     out = srv.complete_many(reqs)
     wall = time.perf_counter() - t0
+    h1, q1 = _prefix_counters(srv)
     gen = sum(len(c.token_ids) for c in out)
-    return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen}
+    return {"tok_s": gen / wall, "wall_s": wall, "tokens": gen,
+            "prefix_hit_pct": 100.0 * (h1 - h0) / (q1 - q0) if q1 > q0 else None}
 
 
 def parse_side(side: str) -> tuple[bool, dict]:
@@ -208,6 +221,8 @@ def serve_side(side: str, model: str, server_args: str, window: float, vocab: in
                                                                  int(kv[2].replace(",", "")), float(kv[3]))
     km = _KV_MEM.search(text)
     r["kv_mem_gib"] = float(km[1]) if km else None
+    bl = _BLOCK.search(text)
+    r["block_tokens"] = int(bl[1]) if bl else None
     arith = [ln.split("vllm_bi: ", 1)[1].strip() for ln in text.splitlines() if "vllm_bi: arithmetic on CUDA" in ln]
     r["arithmetic"] = arith[0] if arith else ("stock vLLM" if not bi else "?")
     return r
@@ -231,6 +246,8 @@ def serve_table(rows: list[dict]) -> list[str]:
                ("TPOT ms at 256", ("decode256", "tpot_ms"), "time"),
                ("RL wave tok/s (64 prompts x 8, 512 + 256 tokens)", ("rl", "tok_s"), "thr"),
                ("RL wave wall s", ("rl", "wall_s"), "time"),
+               ("RL wave prompt tokens from the prefix cache %", ("rl", "prefix_hit_pct"), "none"),
+               ("attention block tokens (the prefix cache's grain)", ("block_tokens",), "none"),
                ("KV cache tokens", ("kv_tokens",), "thr"),
                ("max concurrency at max-model-len", ("max_concurrency",), "thr"),
                ("KV cache memory GiB", ("kv_mem_gib",), "none"),

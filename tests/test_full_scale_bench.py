@@ -150,3 +150,33 @@ def test_parity_part_runs_once_per_vllm_bi_side_with_its_settings(tmp_path, monk
     text = out.read_text()
     assert "side vllm_bi," in text and "side vllm_bi:VLLM_BI_GDN_STATE=bf16," in text
     assert set(json.loads((tmp_path / "fs.json").read_text())["parity"]) == {"vllm_bi", "vllm_bi:VLLM_BI_GDN_STATE=bf16"}
+
+
+def test_rl_wave_counts_its_own_prefix_hits_and_the_block_is_read_from_the_log():
+    """The RL wave's prefix-hit share comes from vLLM's counters over the wave alone (not the server's lifetime rate),
+    and the attention block from the start-up line that sets it."""
+
+    class Srv:
+        def __init__(self):
+            self.c = {"vllm:prefix_cache_hits_total": 100.0, "vllm:prefix_cache_queries_total": 1000.0}
+
+        def metric_sum(self, name):
+            return self.c[name]
+
+        def complete_many(self, reqs):
+            self.c["vllm:prefix_cache_hits_total"] += 272 * 7 * 2  # 2 prompts, 7 siblings each hit one block
+            self.c["vllm:prefix_cache_queries_total"] += 512 * len(reqs)
+
+            class C:
+                token_ids = [1, 2]
+            return [C() for _ in reqs]
+
+    r = FS.rl_wave(Srv(), 2, 8, 512, 2, 1000, seed=0)
+    assert abs(r["prefix_hit_pct"] - 100 * 272 * 14 / (512 * 16)) < 1e-9 and r["tokens"] == 32
+    line = "(EngineCore pid=1) INFO 12-07 [interface.py:1096] Setting attention block size to 528 tokens to ensure"
+    assert FS._BLOCK.search(line)[1] == "528"
+    rows = [{"side": "stock", "rl": {"prefix_hit_pct": 16.1}, "block_tokens": 272},
+            {"side": "vllm_bi", "rl": {"prefix_hit_pct": 0.0}, "block_tokens": 528}]
+    text = "\n".join(FS.serve_table(rows))
+    assert "| RL wave prompt tokens from the prefix cache % | 16.10 | 0.00 |  |" in text
+    assert "| attention block tokens (the prefix cache's grain) | 272 | 528 |  |" in text
