@@ -405,6 +405,5 @@ def trainer_settings(device: str) -> str:
 
     a = current().arithmetic(device)
     tiles = f" (tiles {a['gemm_configs']})" if a["gemm"] == "triton" else ""
-    gdn_tile = f", tile {a['gdn_tile']}" if a["gdn_tile"] != "none" else ""
-    return (f"GDN {a['gdn_mode']} (state {a['gdn_state']}{gdn_tile}, gates {a['gdn_gates']}), GEMM {a['gemm']}{tiles}, "
-            f"attention {a['attention']}, MoE experts {a['moe']}, trainer on {device}")
+    return (f"GDN {current().gdn_summary(device)}, GEMM {a['gemm']}{tiles}, attention {a['attention']}, "
+            f"MoE experts {a['moe']}, trainer on {device}")

@@ -361,6 +361,13 @@ class Settings:
         Triton's interpreter when set explicitly, for tests)."""
         return _resolved(self.gdn_io, device, GDN_IO_AUTO_CUDA, "copies")
 
+    def gdn_summary(self, device: str) -> str:
+        """The GDN arithmetic on ``device`` in one phrase, for reports and logs: the mode, then the state, the
+        recurrent tile where one runs, and the gates' path."""
+        tile = self.recurrent_tile(device)
+        return (f"{self.gdn_mode} (state {self.gdn_state}{'' if tile == 'none' else f', tile {tile}'}, "
+                f"gates {self.gdn_gates_op(device)})")
+
     def recurrent_tile(self, device: str) -> str:
         """The recurrent GDN kernel's tile on ``device`` (``fla`` or ``BVxWARPSxSTAGES``); ``none`` where no
         such kernel runs (CPU, the chunk mode)."""

@@ -99,11 +99,10 @@ def wrap_create_engine_config(orig):
         graphs, eager_why = settings.decode_graphs(bool(self.enforce_eager))
         graphs = graphs and current_platform.is_cuda()
         if current_platform.is_cuda():
-            logger.warning("vllm_bi: arithmetic on CUDA: GEMM %s%s, GDN %s (state %s%s), decode %s (VLLM_BI_PRESET=%s; "
+            logger.warning("vllm_bi: arithmetic on CUDA: GEMM %s%s, GDN %s, decode %s (VLLM_BI_PRESET=%s; "
                            "`vllm-bi info` lists every setting)", settings.gemm_on("cuda"),
                            f" (tiles {settings.gemm_configs})" if settings.gemm_on("cuda") == "triton" else "",
-                           settings.gdn_mode, settings.gdn_state,
-                           f", tile {settings.recurrent_tile('cuda')}" if settings.gdn_mode != "chunk" else "",
+                           settings.gdn_summary("cuda"),
                            "in CUDA graphs" if graphs else f"eager ({eager_why or 'VLLM_BI_CUDA_GRAPHS=off'})",
                            settings.preset)
         if graphs:
