@@ -21,6 +21,7 @@ import time
 import torch
 
 from vllm_bi.ops import gemm_tune as T
+from vllm_bi.settings import DEFAULT_GEMM_TABLE
 
 SHAPES_9B = [  # (what, N, K): Qwen3.5-9B's linear layers as vLLM merges them
     ("attention qkv (q with its gate)", 10240, 4096),
@@ -29,7 +30,29 @@ SHAPES_9B = [  # (what, N, K): Qwen3.5-9B's linear layers as vLLM merges them
     ("GDN in_proj_ba", 64, 4096),
     ("MLP gate_up", 24576, 4096),
     ("MLP down", 4096, 12288),
+    ("lm_head", 248320, 4096),
 ]
+
+
+def time_table(table: str, timings: dict, reps: int, seed: int = 0) -> dict:
+    """``{(n, k, m): ms}`` of the Triton GEMM as a server runs it (``ops.linear``'s persistent product, which
+    installs ``VLLM_BI_GEMM_CONFIGS``'s table and gives a shape it lacks the reference tiles of its ``K``) with
+    ``table``, for every shape and bucket of ``timings``. Call it after the tuner has put vLLM's own table back."""
+    from vllm_bi.ops.linear import _persistent_mm
+    from vllm_bi.settings import reload
+
+    os.environ["VLLM_BI_GEMM_CONFIGS"] = table
+    reload()
+    out = {}
+    for (n, k), picks in timings.items():
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        x = torch.randn(max(m for m, *_ in picks), k, device="cuda", generator=g).bfloat16()
+        for m, *_ in picks:
+            out[(n, k, m)] = T.cuda_ms(lambda: _persistent_mm(x[:m], w.t(), None), reps)
+        del w, x
+        torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
@@ -40,6 +63,10 @@ def main() -> None:
     ap.add_argument("--buckets", default=",".join(map(str, T.BUCKETS)))
     ap.add_argument("--block-k", default=",".join(map(str, T.BLOCK_KS)))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--compare", default=DEFAULT_GEMM_TABLE,
+                    help="a tile table (a shipped table's name or a file) timed beside the tuned tiles through the op "
+                         "a server runs, with the reference tiles of its K for shapes it lacks; '' for none "
+                         f"(default: {DEFAULT_GEMM_TABLE}, the table VLLM_BI_GEMM_CONFIGS=auto names)")
     args = ap.parse_args()
 
     shapes = SHAPES_9B if not args.shapes else [(s, *map(int, s.split("x"))) for s in args.shapes.split(",")]
@@ -50,8 +77,9 @@ def main() -> None:
     t0 = time.time()
     rows = [f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, arch {bench.arch}; median ms of "
             f"{args.reps}; tiles = BLOCK_M, BLOCK_N, warps, stages (BLOCK_K per shape)", "",
-            "| shape | N x K | M | cuBLAS | vLLM default tiles | ratio | tuned | ratio | tiles |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+            "| shape | N x K | M | cuBLAS | vLLM default tiles | ratio | tuned | ratio | tiles |"
+            + (f" {args.compare} | ratio | tuned / {args.compare} |" if args.compare else ""),
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + (" ---: | ---: | ---: |" if args.compare else "")]
     print("\n".join(rows), flush=True)
     vdef = {}
 
@@ -65,12 +93,17 @@ def main() -> None:
     finally:
         bench.restore()
     failed = [f"{n}x{k} ({why})" for n, k, why in res.failed]
+    compared = time_table(args.compare, res.timings, args.reps) if args.compare else {}
     for (n, k), picks in res.timings.items():
         bk = res.entries[(n, k)][0]
         for m, ref, t, tile in picks:
             d = vdef[(n, k, m)]
-            rows.append(f"| {what[(n, k)]} | {n} x {k} | {m} | {ref:.3f} | {d:.3f} | {d / ref:.2f}x | {t:.3f} | "
-                        f"{t / ref:.2f}x | {', '.join(map(str, tile))} (K {bk}) |")
+            row = (f"| {what[(n, k)]} | {n} x {k} | {m} | {ref:.3f} | {d:.3f} | {d / ref:.2f}x | {t:.3f} | "
+                   f"{t / ref:.2f}x | {', '.join(map(str, tile))} (K {bk}) |")
+            if (n, k, m) in compared:
+                c = compared[(n, k, m)]
+                row += f" {c:.3f} | {c / ref:.2f}x | {t / c:.2f}x |"
+            rows.append(row)
             print(rows[-1], flush=True)
     rejected = "; ".join(f"{n}x{k} M<={m} {tile}" for n, k, m, tile in res.rejected)
     rows += ["", f"rows equal whatever the batch: {'all shapes' if not failed else 'NOT for ' + ', '.join(failed)}"
