@@ -172,5 +172,22 @@ def test_a_shipped_table_is_named_and_checked(monkeypatch):
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", path)
     assert G.table_digest() == digest
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "a100-nothing")
-    with pytest.raises(ValueError, match=r"neither a table file .*\(h200-qwen3.5-9b\)"):
+    with pytest.raises(ValueError, match=r"neither a table file .*\(h100-qwen3.5-9b, h200-qwen3.5-9b\)"):
         G.table_digest()
+
+
+def test_the_h100_table_covers_the_lm_head_and_names_its_device(monkeypatch):
+    """``h100-qwen3.5-9b``, tuned on an H100: Qwen3.5-9B's six linear shapes and the 248,320-row lm_head, one BLOCK_K
+    per K, its ``device`` the name CUDA gives the card (what a tuning server on that card takes as its head start),
+    and a digest of its own (other tiles: other bits than the H200 table's)."""
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h100-qwen3.5-9b")
+    path = G.table_path()
+    arch, shapes = G.load_table(path)
+    assert arch == "hopper"
+    assert set(shapes) == {(10240, 4096), (4096, 4096), (12288, 4096), (64, 4096), (24576, 4096), (4096, 12288),
+                           (248320, 4096)}
+    with open(path) as f:
+        assert json.load(f)["device"] == "NVIDIA H100 80GB HBM3"
+    h100 = G.table_digest()
+    monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
+    assert G.table_digest() != h100
