@@ -565,3 +565,20 @@ def test_auto_tunes_where_the_auto_table_is_tune(monkeypatch):
     assert not named.tunes_gemm("cuda") and named.gemm_tiles() != S.TUNE_PENDING
     assert not S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "vllm"}).tunes_gemm("cuda")
     assert not S.Settings.from_env({"VLLM_BI_PRESET": "portable"}).tunes_gemm("cuda")  # float64 GEMM: no table
+
+
+def test_the_shipped_tables_are_the_head_starts_of_their_cards():
+    """With the tables shipped in the package, a tuning server for Qwen3.5-9B's seven GEMM shapes (the lm_head
+    included) tunes nothing on an H100 (its table has all seven) and only the lm_head on an H200, with the ``BLOCK_K``
+    of that table's ``K`` = 4096; a card without a shipped table tunes all seven with every ``BLOCK_K``."""
+    from vllm_bi.settings import BUILTIN_GEMM_TABLES
+
+    shapes = [(10240, 4096), (4096, 4096), (12288, 4096), (64, 4096), (24576, 4096), (4096, 12288), (248320, 4096)]
+    h100 = T.head_start(shapes, "NVIDIA H100 80GB HBM3", BUILTIN_GEMM_TABLES)
+    assert h100.name.startswith("h100-qwen3.5-9b:") and set(h100.entries) == set(shapes)
+    assert T.to_tune(shapes, h100) == []
+    h200 = T.head_start(shapes, "NVIDIA H200", BUILTIN_GEMM_TABLES)
+    assert h200.name.startswith("h200-qwen3.5-9b:") and len(h200.entries) == 6
+    assert T.to_tune(shapes, h200) == [((h200.block_k[4096],), [(248320, 4096)])]
+    assert T.head_start(shapes, "NVIDIA B200", BUILTIN_GEMM_TABLES) is None
+    assert T.to_tune(shapes, None) == [(T.BLOCK_KS, sorted(shapes))]
