@@ -89,3 +89,42 @@ def test_a_flag_the_caller_gives_is_passed_once():
     assert a[a.index("--dtype") + 1] == "bfloat16" and a[a.index("--max-logprobs") + 1] == "5"
     plain = VllmServer("/m").args
     assert plain[plain.index("--max-model-len") + 1] == "2048"
+
+
+def test_a_stock_server_of_a_model_it_cannot_import_is_refused_before_it_starts(tmp_path, monkeypatch):
+    """Stock vLLM's Qwen3.5 module imports torchvision (its vision tower): without torchvision a stock server of a
+    Qwen3.5 checkpoint is refused at once, by name and with the fix, and no process is started. Controls: the same
+    checkpoint under VLLM_BATCH_INVARIANT=1 (vllm_bi's text-only classes), a Qwen3-Next checkpoint, and an
+    environment with torchvision all go on to start the server."""
+    import importlib.util
+    import json
+
+    from vllm_bi import launcher
+
+    real_find_spec = importlib.util.find_spec
+    have_torchvision = {"yes": False}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (object() if have_torchvision["yes"] else None)
+                        if name == "torchvision" else real_find_spec(name, *a))
+
+    class Started(Exception):
+        pass
+
+    monkeypatch.setattr(VllmServer, "_start_once", lambda self: (_ for _ in ()).throw(Started()))
+
+    def model(arch):
+        d = tmp_path / arch
+        d.mkdir(exist_ok=True)
+        (d / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        return str(d)
+
+    with pytest.raises(ServerStartError, match=r"stock vLLM cannot load Qwen3_5ForCausalLM here: .*torchvision.*"
+                                               r"Qwen3-Next"):
+        VllmServer(model("Qwen3_5ForCausalLM"), batch_invariant=False).start()
+    with pytest.raises(Started):
+        VllmServer(model("Qwen3_5ForCausalLM"), batch_invariant=True).start()
+    with pytest.raises(Started):
+        VllmServer(model("Qwen3NextForCausalLM"), batch_invariant=False).start()
+    have_torchvision["yes"] = True
+    with pytest.raises(Started):
+        VllmServer(model("Qwen3_5MoeForCausalLM"), batch_invariant=False).start()
+    assert launcher.stock_unservable(str(tmp_path / "no-such-dir"), {"VLLM_BATCH_INVARIANT": "0"}) is None

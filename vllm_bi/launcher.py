@@ -17,6 +17,7 @@ core and workers, with it within seconds.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -57,6 +58,32 @@ def cpu_env(batch_invariant: bool, extra: dict | None = None) -> dict:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+# Architectures whose stock vLLM 0.32 module imports a vision tower (qwen3_5.py -> qwen3_vl -> transformers' image
+# processor -> torchvision); under VLLM_BATCH_INVARIANT=1 vllm_bi serves them with its text-only classes instead.
+VISION_IMPORTING = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+
+
+def stock_unservable(model: str, env: dict) -> str | None:
+    """Why stock vLLM (``VLLM_BATCH_INVARIANT=0`` in ``env``) cannot load the local checkpoint ``model`` in this
+    environment, or None: its architecture's vLLM module imports torchvision, which is not installed (vllm_bi's CPU
+    install removes PyPI's, a CUDA build that does not load against CPU torch)."""
+    import importlib.util
+
+    if env.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("0", ""):
+        return None
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            archs = (json.load(f).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return None  # not a local checkpoint: vLLM says what it finds
+    hit = [a for a in archs if a in VISION_IMPORTING]
+    if not hit or importlib.util.find_spec("torchvision") is not None:
+        return None
+    return (f"stock vLLM cannot load {hit[0]} here: its vLLM module imports the vision tower, which needs torchvision, "
+            "and this environment has none; for a stock baseline use a Qwen3-Next model, or install a torchvision "
+            "built for this torch (vllm_bi's own server, VLLM_BATCH_INVARIANT=1, serves it without one)")
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -149,6 +176,9 @@ class VllmServer(VllmClient):
     PORT_TRIES = 3  # starts on a fresh port when the chosen one was taken before the server bound it
 
     def start(self) -> "VllmServer":
+        why = stock_unservable(self.model, self.env)
+        if why:
+            raise ServerStartError(why)
         for attempt in range(1, self.PORT_TRIES + 1):
             try:
                 return self._start_once()
