@@ -79,7 +79,8 @@ def main() -> None:
             f"{args.reps}; tiles = BLOCK_M, BLOCK_N, warps, stages (BLOCK_K per shape)", "",
             "| shape | N x K | M | cuBLAS | vLLM default tiles | ratio | tuned | ratio | tiles |"
             + (f" {args.compare} | ratio | tuned / {args.compare} |" if args.compare else ""),
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |" + (" ---: | ---: | ---: |" if args.compare else "")]
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"
+            + (" ---: | ---: | ---: |" if args.compare else "")]
     print("\n".join(rows), flush=True)
     vdef = {}
 

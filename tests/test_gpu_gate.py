@@ -30,6 +30,9 @@ def test_every_cuda_module_is_in_the_manifest():
     cuda = {rel for rel, text in _modules() if CUDA_CODE.search(text) or os.path.basename(rel).startswith("cuda")}
     missing = sorted(cuda - set(G.CUDA_SOURCES) - DEVICE_CHOICE_ONLY)
     assert not missing, f"modules with CUDA code missing from vllm_bi.gpu_gate.CUDA_SOURCES: {missing}"
+    tables = {f"vllm_bi/ops/gemm_tiles/{f}" for f in os.listdir(os.path.join(ROOT, "vllm_bi", "ops", "gemm_tiles"))
+              if f.endswith(".json")}
+    assert tables and not tables - set(G.CUDA_SOURCES), f"shipped tile tables missing: {tables - set(G.CUDA_SOURCES)}"
     gone = [f for f in G.CUDA_SOURCES if not os.path.exists(os.path.join(ROOT, f))]
     assert not gone, f"CUDA_SOURCES lists files that do not exist: {gone}"
     # the rule finds the kernels it is meant to find (a pattern that matched nothing would pass the check above)

@@ -19,8 +19,8 @@ import sys
 __all__ = ["CUDA_SOURCES", "RECORD", "source_hashes", "combined_hash", "load_record", "status", "readme_line"]
 
 # Files (relative to the package's parent) whose code runs on CUDA only, or differently there: the Triton kernels,
-# the fla-core glue, the CUDA patches and the tile table. tests/test_gpu_gate.py checks that every module with a
-# Triton kernel or a CUDA branch is listed.
+# the fla-core glue, the CUDA patches and the shipped tile tables. tests/test_gpu_gate.py checks that every module
+# with a Triton kernel or a CUDA branch, and every shipped tile table, is listed.
 CUDA_SOURCES = (
     "vllm_bi/gdn/chunk.py",
     "vllm_bi/gdn/chunk_decode.py",
@@ -35,6 +35,7 @@ CUDA_SOURCES = (
     "vllm_bi/ops/digest_triton.py",
     "vllm_bi/ops/gates_triton.py",
     "vllm_bi/ops/gemm_configs.py",
+    "vllm_bi/ops/gemm_tiles/h100-qwen3.5-9b.json",
     "vllm_bi/ops/gemm_tiles/h200-qwen3.5-9b.json",
     "vllm_bi/ops/gemm_tune.py",
     "vllm_bi/ops/linear.py",
