@@ -1,11 +1,12 @@
-"""Benchmark: vllm_bi's batch-invariant GEMMs (``ops.linear.bi_linear``: exact float64 accumulation, and the
-experimental ``VLLM_BI_GEMM=triton`` mode: vLLM's batch-invariant Triton persistent matmul in bf16) against
-cuBLAS bf16 ``torch.mm`` on Qwen3.5-9B-like linear shapes, for M = tokens in the batch.
+"""Benchmark: vllm_bi's batch-invariant GEMMs (``ops.linear.bi_linear`` under ``VLLM_BI_GEMM=fp64``: exact float64
+accumulation, the portable preset's; and ``VLLM_BI_GEMM=triton``, CUDA's default: vLLM's batch-invariant Triton
+persistent matmul in bf16) against cuBLAS bf16 ``torch.mm`` on Qwen3.5-9B-like linear shapes, for M = tokens in the
+batch.
 
     python benchmarks/bi_gemm.py [--out results.md]
 
-Prints a markdown table: median of 10 timed runs (CUDA events) after 3 warm-ups. "bi_linear" casts the bf16
-weight to float64 on every call (what the op does today); "fp64 mm, weight pre-cast" isolates the GEMM.
+Prints a markdown table: median of 10 timed runs (CUDA events) after 3 warm-ups. "bi_linear fp64" casts the bf16
+weight to float64 on every call (what the float64 GEMM does); "fp64 mm, weight pre-cast" isolates the GEMM.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     rows = ["| shape | M | cuBLAS bf16 (ms) | bi_linear fp64 (ms) | ratio | fp64 mm, weight pre-cast (ms) | ratio | "
             "triton persistent (ms) | ratio |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    os.environ.pop("VLLM_BI_GEMM", None)  # bi_linear below is the default float64 GEMM
+    os.environ["VLLM_BI_GEMM"] = "fp64"  # bi_linear below is the float64 GEMM (auto would be the Triton one on CUDA)
     reload_settings()
     for name, K, N in SHAPES:
         w = (torch.randn(N, K, device=dev) * 0.02).bfloat16()
