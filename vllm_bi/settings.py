@@ -127,8 +127,9 @@ SETTINGS = (
           "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA); "
           "auto: triton on CUDA, fp64 on CPU"),
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
-          "(h200-qwen3.5-9b, h100-qwen3.5-9b: Qwen3.5-9B's shapes tuned on that card), vllm (vLLM's own tiles) or tune (tuned for this device and the served model's shapes "
-          "on a server's first start, cached under VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
+          "(h200-qwen3.5-9b, h100-qwen3.5-9b: Qwen3.5-9B's shapes tuned on that card), vllm (vLLM's own tiles) or "
+          "tune (tuned for this device and the served model's shapes on a server's first start, cached under "
+          "VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
           "ignored on CPU; the entries of a shipped table made on this device are taken as they are); auto: "
           + ("tune" if GEMM_CONFIGS_AUTO_CUDA == "tune" else "the shipped table h200-qwen3.5-9b, on every card")),
     _Spec("attention", "auto", ("auto", "torch", "triton"),
