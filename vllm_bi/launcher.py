@@ -17,7 +17,6 @@ core and workers, with it within seconds.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -60,26 +59,29 @@ class ServerStartError(RuntimeError):
     pass
 
 
-# Architectures whose stock vLLM 0.32 module imports a vision tower (qwen3_5.py -> qwen3_vl -> transformers' image
-# processor -> torchvision); under VLLM_BATCH_INVARIANT=1 vllm_bi serves them with its text-only classes instead.
-VISION_IMPORTING = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-
-
 def stock_unservable(model: str, env: dict) -> str | None:
-    """Why stock vLLM (``VLLM_BATCH_INVARIANT=0`` in ``env``) cannot load the local checkpoint ``model`` in this
-    environment, or None: its architecture's vLLM module imports torchvision, which is not installed (vllm_bi's CPU
-    install removes PyPI's, a CUDA build that does not load against CPU torch)."""
+    """Why stock vLLM (the plugin off in ``env``) cannot load the local checkpoint ``model`` in this environment, or
+    None: its architecture is one vllm_bi serves with text-only classes because vLLM's module imports the vision tower
+    (``patch.cpu_layers.QWEN3_5_TEXT``), and torchvision is not installed (vllm_bi's CPU install removes PyPI's, a
+    CUDA build that does not load against CPU torch)."""
     import importlib.util
 
-    if env.get("VLLM_BATCH_INVARIANT", "0").strip() not in ("0", ""):
+    from vllm_bi.errors import UsageError
+    from vllm_bi.model_dir import read_model_config
+    from vllm_bi.plugin import batch_invariant_requested
+
+    if batch_invariant_requested(env):
         return None
     try:
-        with open(os.path.join(model, "config.json")) as f:
-            archs = (json.load(f).get("architectures") or [])
-    except (OSError, ValueError, AttributeError):
+        archs = read_model_config(model, supported=False).get("architectures") or []
+    except UsageError:
         return None  # not a local checkpoint: vLLM says what it finds
-    hit = [a for a in archs if a in VISION_IMPORTING]
-    if not hit or importlib.util.find_spec("torchvision") is not None:
+    if not isinstance(archs, list) or importlib.util.find_spec("torchvision") is not None:
+        return None
+    from vllm_bi.patch.cpu_layers import QWEN3_5_TEXT
+
+    hit = [a for a in archs if a in QWEN3_5_TEXT]
+    if not hit:
         return None
     return (f"stock vLLM cannot load {hit[0]} here: its vLLM module imports the vision tower, which needs torchvision, "
             "and this environment has none; for a stock baseline use a Qwen3-Next model, or install a torchvision "

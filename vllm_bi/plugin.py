@@ -24,8 +24,10 @@ logger = logging.getLogger("vllm_bi")
 SUPPORTED_VLLM = ((0, 32), "0.32.x")
 
 
-def batch_invariant_requested() -> bool:
-    return os.environ.get("VLLM_BATCH_INVARIANT", "0").strip().lower() not in ("", "0", "false", "no", "off")
+def batch_invariant_requested(env=None) -> bool:
+    """Whether ``VLLM_BATCH_INVARIANT`` in ``env`` (default: this process's environment) turns the plugin on."""
+    env = os.environ if env is None else env
+    return env.get("VLLM_BATCH_INVARIANT", "0").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class UnsupportedVllmVersion(RuntimeError):
