@@ -34,10 +34,11 @@ SHAPES_9B = [  # (what, N, K): Qwen3.5-9B's linear layers as vLLM merges them
 ]
 
 
-def time_table(table: str, timings: dict, reps: int, seed: int = 0) -> dict:
+def time_table(table: str, timings: dict, bench) -> dict:
     """``{(n, k, m): ms}`` of the Triton GEMM as a server runs it (``ops.linear``'s persistent product, which
     installs ``VLLM_BI_GEMM_CONFIGS``'s table and gives a shape it lacks the reference tiles of its ``K``) with
-    ``table``, for every shape and bucket of ``timings``. Call it after the tuner has put vLLM's own table back."""
+    ``table``, for every shape and bucket of ``timings``, on the tuner's own tensors (``bench``). Call it after the
+    tuner has put vLLM's own table back."""
     from vllm_bi.ops.linear import _persistent_mm
     from vllm_bi.settings import reload
 
@@ -45,13 +46,11 @@ def time_table(table: str, timings: dict, reps: int, seed: int = 0) -> dict:
     reload()
     out = {}
     for (n, k), picks in timings.items():
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-        x = torch.randn(max(m for m, *_ in picks), k, device="cuda", generator=g).bfloat16()
+        w, x = bench._tensors(n, k)
         for m, *_ in picks:
-            out[(n, k, m)] = T.cuda_ms(lambda: _persistent_mm(x[:m], w.t(), None), reps)
-        del w, x
-        torch.cuda.empty_cache()
+            out[(n, k, m)] = T.cuda_ms(lambda: _persistent_mm(x[:m], w.t(), None), bench.reps)
+        bench.done_shape(n, k)
+    torch.cuda.empty_cache()
     return out
 
 
@@ -94,7 +93,7 @@ def main() -> None:
     finally:
         bench.restore()
     failed = [f"{n}x{k} ({why})" for n, k, why in res.failed]
-    compared = time_table(args.compare, res.timings, args.reps) if args.compare else {}
+    compared = time_table(args.compare, res.timings, bench) if args.compare else {}
     for (n, k), picks in res.timings.items():
         bk = res.entries[(n, k)][0]
         for m, ref, t, tile in picks:
