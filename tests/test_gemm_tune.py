@@ -551,20 +551,42 @@ def test_processes_starting_at_once_tune_once(tmp_path):
 
 
 def test_auto_tunes_where_the_auto_table_is_tune(monkeypatch):
-    """``GEMM_CONFIGS_AUTO_CUDA``: ``shipped`` (auto names the shipped table) or ``tune`` (auto tunes on CUDA as
-    ``tune`` does, CPU untouched); an explicit table name or ``vllm`` is kept either way."""
-    assert S.GEMM_CONFIGS_AUTO_CUDA in ("shipped", S.TUNE)
-    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", "shipped")
+    """``GEMM_CONFIGS_AUTO_CUDA``: ``card`` (auto names the shipped table of the card) or ``tune`` (auto tunes on CUDA
+    as ``tune`` does, CPU untouched); an explicit table name or ``vllm`` is kept either way."""
+    assert S.GEMM_CONFIGS_AUTO_CUDA in (S.CARD, S.TUNE)
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.CARD)
+    monkeypatch.setattr(S, "cuda_device_name", lambda: "NVIDIA H200")
     auto = S.Settings.from_env({})
     assert not auto.tunes_gemm("cuda") and auto.gemm_tiles() == S.Settings.from_env(
-        {"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE}).gemm_tiles()
+        {"VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b"}).gemm_tiles()
     monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.TUNE)
-    assert auto.tunes_gemm("cuda") and not auto.tunes_gemm("cpu")
+    assert auto.tunes_gemm("cuda") and not auto.tunes_gemm("cpu") and auto.gemm_table_name() == S.TUNE
     assert auto.arithmetic("cuda")["gemm_configs"] == S.TUNE_PENDING and auto.arithmetic("cpu")["gemm_configs"] == "none"
     named = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE})
     assert not named.tunes_gemm("cuda") and named.gemm_tiles() != S.TUNE_PENDING
     assert not S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "vllm"}).tunes_gemm("cuda")
     assert not S.Settings.from_env({"VLLM_BI_PRESET": "portable"}).tunes_gemm("cuda")  # float64 GEMM: no table
+
+
+def test_card_names_the_shipped_table_made_on_this_card(monkeypatch):
+    """``card`` (and ``auto`` under ``GEMM_CONFIGS_AUTO_CUDA = card``) takes the shipped table whose recorded device
+    is this process's CUDA device: the H100 table on an H100, the H200 table on an H200, and the default table on a
+    card without one and without CUDA (the controls). Its digest is that table's, so server and trainer on one card
+    agree and an H100 and an H200 do not; the start-up line names the table. At most one shipped table per card."""
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.CARD)
+    digest = {name: S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": name}).gemm_tiles() for name in S.builtin_tables()}
+    expect = {"NVIDIA H100 80GB HBM3": "h100-qwen3.5-9b", "NVIDIA H200": "h200-qwen3.5-9b",
+              "NVIDIA A100-SXM4-80GB": S.DEFAULT_GEMM_TABLE, None: S.DEFAULT_GEMM_TABLE}
+    for device, table in expect.items():
+        monkeypatch.setattr(S, "cuda_device_name", lambda device=device: device)
+        for value in ("auto", S.CARD):
+            s = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": value})
+            assert s.gemm_table_path() == os.path.join(S.BUILTIN_GEMM_TABLES, table + ".json"), (device, value)
+            assert s.arithmetic("cuda")["gemm_configs"] == digest[table] and s.gemm_table_name() == table
+        assert S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b"}).gemm_table_name() == "h200-qwen3.5-9b"
+    assert digest["h100-qwen3.5-9b"] != digest["h200-qwen3.5-9b"]
+    made_on = [d for d in S.shipped_table_devices().values()]
+    assert all(made_on) and len(set(made_on)) == len(made_on), made_on
 
 
 def test_the_shipped_tables_are_the_head_starts_of_their_cards():

@@ -29,6 +29,7 @@ parity``, the trainer's refusal of a mismatched server, its checkpoint metadata 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import re
@@ -99,11 +100,13 @@ GDN_GATES_AUTO_CUDA = "triton"
 # construction; tests/gpu/test_gdn_io_cuda.py checks them with torch.equal. A change here lands with that GPU run
 # and a gate.
 GDN_IO_AUTO_CUDA = "direct"
-# What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
-# device) or "tune" (a table tuned for this device and the served model on a server's first start and cached, the
-# entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a product's
-# bits, so a change here changes CUDA's bits and lands with a GPU gate run, as DEFAULT_PRESET does.
-GEMM_CONFIGS_AUTO_CUDA = "shipped"
+# What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "card" (the shipped table made on this card, chosen by the
+# device's name: card_gemm_table; DEFAULT_GEMM_TABLE on a card without one) or "tune" (a table tuned for this device
+# and the served model on a server's first start and cached, the entries of a shipped table made on this device taken
+# as they are: patch/gemm_tuning). The tiles decide a product's bits, so a change here changes CUDA's bits and lands
+# with a GPU gate run, as DEFAULT_PRESET does.
+GEMM_CONFIGS_AUTO_CUDA = "card"
+DEFAULT_GEMM_TABLE = "h200-qwen3.5-9b"  # the tile table of a card without one of its own (card_gemm_table)
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
@@ -127,11 +130,13 @@ SETTINGS = (
           "GEMM arithmetic: float64 accumulation (exact everywhere) or vLLM's batch-invariant Triton matmul (CUDA); "
           "auto: triton on CUDA, fp64 on CPU"),
     _Spec("gemm_configs", "auto", None, "the Triton GEMM's tile table: a JSON file, a shipped table's name "
-          "(h200-qwen3.5-9b, h100-qwen3.5-9b: Qwen3.5-9B's shapes tuned on that card), vllm (vLLM's own tiles) or "
+          "(h200-qwen3.5-9b, h100-qwen3.5-9b: Qwen3.5-9B's shapes tuned on that card), card (the shipped table made "
+          f"on this card, chosen by the device's name; {DEFAULT_GEMM_TABLE} on a card without one), vllm (vLLM's own "
+          "tiles) or "
           "tune (tuned for this device and the served model's shapes on a server's first start, cached under "
           "VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
           "ignored on CPU; the entries of a shipped table made on this device are taken as they are); auto: "
-          + ("tune" if GEMM_CONFIGS_AUTO_CUDA == "tune" else "the shipped table h200-qwen3.5-9b, on every card")),
+          + GEMM_CONFIGS_AUTO_CUDA),
     _Spec("attention", "auto", ("auto", "torch", "triton"),
           "attention op: auto is Triton on CUDA (torch for multi-head latent attention), torch on CPU"),
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
@@ -190,7 +195,7 @@ PRESETS = {
     "auto": {},
     "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch", "gdn_tile": "fla",
                  "gdn_gates": "torch", "gdn_io": "copies"},
-    "fast": {"gemm": "triton", "gemm_configs": "h200-qwen3.5-9b", "cuda_graphs": "decode"},
+    "fast": {"gemm": "triton", "gemm_configs": "card", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
@@ -414,14 +419,21 @@ class Settings:
             return None
         if self.tunes_table():
             return _TUNED[0] if _TUNED else None
-        if value == "auto":
-            value = DEFAULT_GEMM_TABLE
+        if value == "auto" or value == CARD:
+            value = card_gemm_table()
         if os.sep in value or value.endswith(".json") or os.path.exists(value):
             return value
         if value in builtin_tables():
             return os.path.join(BUILTIN_GEMM_TABLES, value + ".json")
         raise UsageError(f"VLLM_BI_GEMM_CONFIGS={value}: neither a table file (a path, *.json) nor a table shipped "
                          f"with vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
+
+    def gemm_table_name(self) -> str:
+        """The tile table as the start-up line names it: ``auto`` and ``card`` resolved to the shipped table's name
+        (:func:`card_gemm_table`), ``auto`` under ``tune`` as ``tune``, any other value as given."""
+        if self.tunes_table():
+            return TUNE
+        return card_gemm_table() if self.gemm_configs in ("auto", CARD) else self.gemm_configs
 
     def gemm_tiles(self) -> str:
         """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix; under ``tune``
@@ -515,6 +527,7 @@ def _auto_gdn_mode() -> str:
 
 TUNE = "tune"  # VLLM_BI_GEMM_CONFIGS's value for a table tuned for this device and model
 TUNE_PENDING = "tune-pending"  # the digest under ``tune`` before this process took a table
+CARD = "card"  # VLLM_BI_GEMM_CONFIGS's value for the shipped table made on this card (card_gemm_table)
 _TUNED: tuple[str, str] | None = None  # (path, digest) of the table this process took under ``tune``
 
 
@@ -537,7 +550,51 @@ def tuned_table() -> tuple[str, str] | None:
 
 
 BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")
-DEFAULT_GEMM_TABLE = "h200-qwen3.5-9b"  # the tile table VLLM_BI_GEMM_CONFIGS=auto names
+@functools.lru_cache(maxsize=1)
+def cuda_device_name() -> str | None:
+    """This process's CUDA device's name (``NVIDIA H100 80GB HBM3``), None without CUDA. Through vLLM's platform
+    where it is importable (NVML: a process that has not touched CUDA, such as vLLM's API server, stays so), else
+    torch's."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cuda():
+                return str(current_platform.get_device_name())
+        except Exception:  # noqa: BLE001 - no usable vLLM here: torch names the device as well
+            pass
+        return torch.cuda.get_device_name()
+    except Exception:  # noqa: BLE001 - no CUDA runtime: no CUDA device
+        return None
+
+
+def card_gemm_table(device: str | None = None) -> str:
+    """The shipped tile table made on ``device`` (default: :func:`cuda_device_name`), by the ``device`` each table
+    records; :data:`DEFAULT_GEMM_TABLE` where none was (and without CUDA). One table per card: a test checks it."""
+    device = cuda_device_name() if device is None else device
+    if device:
+        for name, made_on in shipped_table_devices().items():
+            if made_on == device:
+                return name
+    return DEFAULT_GEMM_TABLE
+
+
+def shipped_table_devices() -> dict[str, str]:
+    """``{name: the device it was tuned on}`` of every shipped tile table."""
+    import json
+
+    out = {}
+    for name in builtin_tables():
+        try:
+            with open(os.path.join(BUILTIN_GEMM_TABLES, name + ".json")) as f:
+                out[name] = str(json.load(f).get("device", ""))
+        except (OSError, ValueError, AttributeError):
+            out[name] = ""
+    return out
 
 
 def builtin_tables() -> list[str]:

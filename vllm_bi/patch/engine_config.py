@@ -101,7 +101,7 @@ def wrap_create_engine_config(orig):
         if current_platform.is_cuda():
             logger.warning("vllm_bi: arithmetic on CUDA: GEMM %s%s, GDN %s, decode %s (VLLM_BI_PRESET=%s; "
                            "`vllm-bi info` lists every setting)", settings.gemm_on("cuda"),
-                           f" (tiles {settings.gemm_configs})" if settings.gemm_on("cuda") == "triton" else "",
+                           f" (tiles {settings.gemm_table_name()})" if settings.gemm_on("cuda") == "triton" else "",
                            settings.gdn_summary("cuda"),
                            "in CUDA graphs" if graphs else f"eager ({eager_why or 'VLLM_BI_CUDA_GRAPHS=off'})",
                            settings.preset)
