@@ -83,10 +83,10 @@ def build_jobs(models: str) -> dict[str, list[Job]]:
     trainer = ["-m", "vllm_bi.trainer", "--steps", "4", "--prompts-per-step", "4", "--group-size", "4",
                "--max-tokens", "12", "--tensorboard", "false", "--progress", "false",
                "--server-args", f"--max-num-batched-tokens 256 --max-num-seqs 32 {MEM}"]
-    # the fast settings (tuned Triton GEMM with the shipped table of this card + decode graphs): _parity's arguments, and
+    # the fast settings (tuned Triton GEMM with the shipped H200 table + decode graphs): _parity's arguments, and
     # the same as a trainer job's environment
-    fast = {"gemm": "triton", "graphs": "decode", "tiles": "card"}
-    fast_name = "triton GEMM card tiles + graphs"
+    fast = {"gemm": "triton", "graphs": "decode", "tiles": "h200-qwen3.5-9b"}
+    fast_name = "triton GEMM h200 tiles + graphs"
     fast_env = {"VLLM_BI_GEMM": fast["gemm"], "VLLM_BI_GEMM_CONFIGS": fast["tiles"], "VLLM_BI_CUDA_GRAPHS": fast["graphs"]}
     return {
         "parity-own": [_parity(f"parity own-ops {k}", m[k]) for k in ("qwen3.5", "qwen3-next", "qwen3.5-moe")],

@@ -34,7 +34,7 @@ def test_info_prints_every_setting_and_the_arithmetic_dict(monkeypatch, capsys):
     for spec in SETTINGS:
         assert f"  {spec.env} = " in out, spec.env
     assert "VLLM_BI_DIGEST = 'triton' (env)" in out
-    assert "VLLM_BI_GEMM = 'fp64' (env)" in out and "VLLM_BI_GEMM_CONFIGS = 'card' (preset)" in out
+    assert "VLLM_BI_GEMM = 'fp64' (env)" in out and "VLLM_BI_CUDA_GRAPHS = 'decode' (preset)" in out
     assert "VLLM_BI_GDN_MODE = 'recurrent' (default)" in out
     cpu = ", ".join(f"{k} {v}" for k, v in current().arithmetic("cpu").items())
     assert f"  arithmetic on cpu: {cpu}" in out

@@ -551,14 +551,19 @@ def test_processes_starting_at_once_tune_once(tmp_path):
 
 
 def test_auto_tunes_where_the_auto_table_is_tune(monkeypatch):
-    """``GEMM_CONFIGS_AUTO_CUDA``: ``card`` (auto names the shipped table of the card) or ``tune`` (auto tunes on CUDA
-    as ``tune`` does, CPU untouched); an explicit table name or ``vllm`` is kept either way."""
-    assert S.GEMM_CONFIGS_AUTO_CUDA in (S.CARD, S.TUNE)
-    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.CARD)
-    monkeypatch.setattr(S, "cuda_device_name", lambda: "NVIDIA H200")
+    """``GEMM_CONFIGS_AUTO_CUDA``: ``shipped`` (auto names the default shipped table on every card), ``card`` (the
+    shipped table of the card) or ``tune`` (auto tunes on CUDA as ``tune`` does, CPU untouched); an explicit table
+    name or ``vllm`` is kept either way."""
+    assert S.GEMM_CONFIGS_AUTO_CUDA in ("shipped", S.CARD, S.TUNE)
+    monkeypatch.setattr(S, "cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
     auto = S.Settings.from_env({})
-    assert not auto.tunes_gemm("cuda") and auto.gemm_tiles() == S.Settings.from_env(
-        {"VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b"}).gemm_tiles()
+    tiles = {name: S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": name}).gemm_tiles() for name in S.builtin_tables()}
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", "shipped")
+    assert not auto.tunes_gemm("cuda") and auto.gemm_tiles() == tiles[S.DEFAULT_GEMM_TABLE]
+    assert auto.gemm_table_name() == S.DEFAULT_GEMM_TABLE
+    monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.CARD)
+    assert auto.gemm_tiles() == tiles["h100-qwen3.5-9b"] != tiles[S.DEFAULT_GEMM_TABLE]
+    assert auto.gemm_table_name() == "h100-qwen3.5-9b"
     monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.TUNE)
     assert auto.tunes_gemm("cuda") and not auto.tunes_gemm("cpu") and auto.gemm_table_name() == S.TUNE
     assert auto.arithmetic("cuda")["gemm_configs"] == S.TUNE_PENDING and auto.arithmetic("cpu")["gemm_configs"] == "none"

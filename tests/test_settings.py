@@ -80,11 +80,11 @@ def test_precedence_env_over_preset_over_default():
     assert default.preset == S.DEFAULT_PRESET and default.gdn_mode == "recurrent" and default.origin == tuple(
         (k, "preset") for k in S.PRESETS[S.DEFAULT_PRESET])
     fast = S.Settings.from_env({"VLLM_BI_PRESET": "fast"})
-    assert (fast.gemm, fast.gemm_configs, fast.cuda_graphs) == ("triton", S.CARD, "decode")
+    assert (fast.gemm, fast.gemm_configs, fast.cuda_graphs) == ("triton", "auto", "decode")
     assert fast.source("gemm") == "preset" and fast.source("gdn_mode") == "default"
     mixed = S.Settings.from_env({"VLLM_BI_PRESET": "fast", "VLLM_BI_GEMM": "fp64", "VLLM_BI_GDN_MODE": "chunk"})
-    assert (mixed.gemm, mixed.gdn_mode, mixed.gemm_configs) == ("fp64", "chunk", S.CARD)
-    assert mixed.source("gemm") == "env" and mixed.source("gemm_configs") == "preset"
+    assert (mixed.gemm, mixed.gdn_mode, mixed.gemm_configs) == ("fp64", "chunk", "auto")
+    assert mixed.source("gemm") == "env" and mixed.source("cuda_graphs") == "preset"
     # empty means unset; the graphs' old spellings of "off" still work
     assert S.Settings.from_env({"VLLM_BI_GDN_MODE": "", "VLLM_BI_NONFINITE_GUARD": ""}) == default
     for off in ("", "0", "none", "off", "OFF"):

@@ -13,8 +13,8 @@ Presets:
   elsewhere (CPU, CUDA with TP > 1) the portable one. The server's start-up resolves it and logs what it chose;
 - ``portable``: the exact arithmetic whose bits do not depend on the GPU model (float64 GEMM accumulation, eager
   decode, torch's elementwise kernels rather than Triton's approximate ``exp``); the CPU's arithmetic, and CUDA's default before the fast one became it;
-- ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the H200 tile table for Qwen3.5-9B,
-  decode CUDA graphs); CUDA only.
+- ``fast``: the fastest exact settings measured on the H200 (Triton GEMM with the tile table ``auto`` names, decode
+  CUDA graphs); CUDA only.
 
 ``VLLM_BI_GEMM_CONFIGS=tune`` names no file: a CUDA server tunes (or loads from ``VLLM_BI_CACHE_DIR``) a table for
 its device and model when it loads the model and takes it with :func:`use_tuned_table`; a trainer takes a copy of
@@ -100,13 +100,13 @@ GDN_GATES_AUTO_CUDA = "triton"
 # construction; tests/gpu/test_gdn_io_cuda.py checks them with torch.equal. A change here lands with that GPU run
 # and a gate.
 GDN_IO_AUTO_CUDA = "direct"
-# What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "card" (the shipped table made on this card, chosen by the
-# device's name: card_gemm_table; DEFAULT_GEMM_TABLE on a card without one) or "tune" (a table tuned for this device
-# and the served model on a server's first start and cached, the entries of a shipped table made on this device taken
-# as they are: patch/gemm_tuning). The tiles decide a product's bits, so a change here changes CUDA's bits and lands
-# with a GPU gate run, as DEFAULT_PRESET does.
-GEMM_CONFIGS_AUTO_CUDA = "card"
-DEFAULT_GEMM_TABLE = "h200-qwen3.5-9b"  # the tile table of a card without one of its own (card_gemm_table)
+# What VLLM_BI_GEMM_CONFIGS=auto gives CUDA's Triton GEMM: "shipped" (the shipped table DEFAULT_GEMM_TABLE on every
+# card), "card" (the shipped table made on this card, chosen by the device's name: card_gemm_table; DEFAULT_GEMM_TABLE
+# on a card without one) or "tune" (a table tuned for this device and the served model on a server's first start and
+# cached, the entries of a shipped table made on this device taken as they are: patch/gemm_tuning). The tiles decide a
+# product's bits, so a change here changes CUDA's bits and lands with a GPU gate run, as DEFAULT_PRESET does.
+GEMM_CONFIGS_AUTO_CUDA = "shipped"
+DEFAULT_GEMM_TABLE = "h200-qwen3.5-9b"  # auto's table under "shipped"; card's on a card without one of its own
 # What CUDA serves under batch invariance beyond the Qwen GDN models without speculative decoding: each feature named
 # here runs a CUDA path a GPU run showed exact, and lands with a full GPU gate run of the tree that lists it
 # (speculative decoding: tests/gpu/test_speculative_cuda.py; Kimi Linear: tests/gpu/test_kimi_linear_cuda.py and the
@@ -136,7 +136,8 @@ SETTINGS = (
           "tune (tuned for this device and the served model's shapes on a server's first start, cached under "
           "VLLM_BI_CACHE_DIR; a trainer takes its server's; CUDA only, "
           "ignored on CPU; the entries of a shipped table made on this device are taken as they are); auto: "
-          + GEMM_CONFIGS_AUTO_CUDA),
+          + {"shipped": f"the shipped table {DEFAULT_GEMM_TABLE}, on every card"}.get(GEMM_CONFIGS_AUTO_CUDA,
+                                                                                     GEMM_CONFIGS_AUTO_CUDA)),
     _Spec("attention", "auto", ("auto", "torch", "triton"),
           "attention op: auto is Triton on CUDA (torch for multi-head latent attention), torch on CPU"),
     _Spec("rowwise", "auto", ("auto", "torch", "triton"),
@@ -195,7 +196,7 @@ PRESETS = {
     "auto": {},
     "portable": {"gemm": "fp64", "cuda_graphs": "off", "rowwise": "torch", "logprobs": "torch", "gdn_tile": "fla",
                  "gdn_gates": "torch", "gdn_io": "copies"},
-    "fast": {"gemm": "triton", "gemm_configs": "card", "cuda_graphs": "decode"},
+    "fast": {"gemm": "triton", "cuda_graphs": "decode"},
 }
 # the arithmetic dict's keys (the names ``vllm_bi_info`` has always used) and the variable that sets each
 ARITHMETIC_ENV = {"gdn_mode": "VLLM_BI_GDN_MODE", "ops": "VLLM_BI_CUDA_OPS", "gemm": "VLLM_BI_GEMM",
@@ -419,7 +420,9 @@ class Settings:
             return None
         if self.tunes_table():
             return _TUNED[0] if _TUNED else None
-        if value == "auto" or value == CARD:
+        if value == "auto":
+            value = DEFAULT_GEMM_TABLE if GEMM_CONFIGS_AUTO_CUDA == "shipped" else CARD
+        if value == CARD:
             value = card_gemm_table()
         if os.sep in value or value.endswith(".json") or os.path.exists(value):
             return value
@@ -429,11 +432,13 @@ class Settings:
                          f"with vllm_bi ({', '.join(builtin_tables()) or 'none'}); fix it or unset it")
 
     def gemm_table_name(self) -> str:
-        """The tile table as the start-up line names it: ``auto`` and ``card`` resolved to the shipped table's name
-        (:func:`card_gemm_table`), ``auto`` under ``tune`` as ``tune``, any other value as given."""
+        """The tile table as the start-up line names it: ``auto`` and ``card`` resolved to the shipped table they name
+        (:data:`GEMM_CONFIGS_AUTO_CUDA`, :func:`card_gemm_table`), ``auto`` under ``tune`` as ``tune``, any other
+        value as given."""
         if self.tunes_table():
             return TUNE
-        return card_gemm_table() if self.gemm_configs in ("auto", CARD) else self.gemm_configs
+        path = self.gemm_table_path() if self.gemm_configs in ("auto", CARD) else None
+        return os.path.basename(path)[:-5] if path else self.gemm_configs
 
     def gemm_tiles(self) -> str:
         """The Triton GEMM tile table's digest: ``none`` (vLLM's own) or the file's sha256 prefix; under ``tune``
@@ -550,6 +555,8 @@ def tuned_table() -> tuple[str, str] | None:
 
 
 BUILTIN_GEMM_TABLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops", "gemm_tiles")
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_device_name() -> str | None:
     """This process's CUDA device's name (``NVIDIA H100 80GB HBM3``), None without CUDA. Through vLLM's platform
