@@ -7,8 +7,9 @@ model against a stock vLLM server the trainer starts: the non-batch-invariant ba
 (the defaults: a ``VLLM_BATCH_INVARIANT=1`` server and the op library). Each run's first step is a warm-up
 (compiles, autotuning) and left out; the table holds the median over the other steps of each part of the step,
 from the runs' ``metrics.jsonl``: rollout (``time/generate_s``), trainer forward+backward, optimizer, weight push
-(save + swap + verify) and the whole step, with the ratio vllm_bi / stock, and each run's max logprob gap. ``--out``
-is rewritten after each side (a run cut short keeps the sides it finished) and each side's ``metrics.jsonl`` is
+(save + swap + verify) and the whole step, with the ratio vllm_bi / stock, each run's max logprob gap and, on CUDA,
+the trainer's peak GPU memory. ``--out`` is rewritten after each side (a run cut short keeps the sides it finished),
+names each side's trainer command (a side reused from an earlier call too) and has each side's ``metrics.jsonl``
 copied beside it.
 A full-size 9B with AdamW does not fit one H200 beside a server: give a full-width checkpoint with fewer layers
 (``vllm-bi make-checkpoint qwen3.5-9b DIR --layers 8``) and say so with the numbers.
@@ -31,6 +32,9 @@ PARTS = [("rollout (generate)", ("time/generate_s",)),
          ("weight push (save + swap + verify)", ("time/sync_save_s", "time/sync_swap_s", "time/sync_verify_s")),
          ("whole step", ("time/step_s",))]
 SIDES = ("stock", "vllm_bi")
+PEAK = "memory/peak_allocated_gib"
+COMMAND_FILE = "rl_step_command.txt"  # in each side's run dir: the trainer command that side ran
+PEAK_LABEL = "trainer peak GPU memory, GiB (max over all steps)"
 
 
 def read_rows(path: str) -> list[dict]:
@@ -44,6 +48,8 @@ def medians(rows: list[dict], warmup: int = 1) -> dict:
     used = rows[warmup:] or rows
     out = {label: statistics.median(sum(r.get(k, 0.0) for k in keys) for r in used) for label, keys in PARTS}
     out["max logprob gap"] = max(r["bit_wise/logprob_diff/max"] for r in rows)
+    peaks = [r[PEAK] for r in rows if PEAK in r]  # CUDA runs only; the warm-up step included
+    out["trainer peak memory"] = max(peaks) if peaks else None
     out["steps timed"] = len(used)
     return out
 
@@ -55,6 +61,8 @@ def table(by_side: dict[str, dict]) -> list[str]:
         ratio = f"{b[label] / s[label]:.2f}x" if s[label] > 0 else ""
         lines.append(f"| {label} | {s[label]:.3f} | {b[label]:.3f} | {ratio} |")
     lines.append(f"| max logprob gap | {s['max logprob gap']:.3g} | {b['max logprob gap']:.3g} | |")
+    if s["trainer peak memory"] is not None or b["trainer peak memory"] is not None:
+        lines.append(f"| {PEAK_LABEL} | {_gib(s)} | {_gib(b)} | |")
     lines.append(f"| steps timed | {s['steps timed']} | {b['steps timed']} | |")
     return lines
 
@@ -63,7 +71,22 @@ def one_side(by_side: dict[str, dict]) -> list[str]:
     (side, m), = by_side.items()
     lines = [f"| part (median s per step) | {side} |", "| --- | ---: |"]
     lines += [f"| {label} | {m[label]:.3f} |" for label, _ in PARTS]
-    return lines + [f"| max logprob gap | {m['max logprob gap']:.3g} |", f"| steps timed | {m['steps timed']} |"]
+    lines.append(f"| max logprob gap | {m['max logprob gap']:.3g} |")
+    if m["trainer peak memory"] is not None:
+        lines.append(f"| {PEAK_LABEL} | {_gib(m)} |")
+    return lines + [f"| steps timed | {m['steps timed']} |"]
+
+
+def _side_command(run_root: str, side: str) -> str:
+    try:
+        with open(os.path.join(run_root, side, COMMAND_FILE)) as f:
+            return f.read().strip()
+    except OSError:
+        return "(not recorded)"
+
+
+def _gib(m: dict) -> str:
+    return "" if m["trainer peak memory"] is None else f"{m['trainer peak memory']:.1f}"
 
 
 def run_side(side: str, model: str, steps: int, run_root: str, extra: list[str]) -> str:
@@ -71,6 +94,9 @@ def run_side(side: str, model: str, steps: int, run_root: str, extra: list[str])
     cmd = [sys.executable, "-m", "vllm_bi.trainer", "--model", model, "--arithmetic", side, "--steps", str(steps),
            "--run-dir", run_dir, "--resume", "false", "--save-every", "0", "--progress", "false", *extra]
     print(f"[rl-step] {side}: {shlex.join(cmd)}", flush=True)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, COMMAND_FILE), "w") as f:
+        f.write(shlex.join(cmd) + "\n")
     subprocess.run(cmd, check=True)
     return os.path.join(run_dir, "metrics.jsonl")
 
@@ -115,7 +141,8 @@ def main() -> int:
         by_side[side] = medians(read_rows(metrics))
         body = table(by_side) if len(by_side) == len(SIDES) else one_side(by_side)
         text = [f"# RL step, {' vs '.join(by_side)}, {args.model}", "",
-                "command: " + shlex.join([sys.executable, *sys.argv]), "", *body]
+                "command: " + shlex.join([sys.executable, *sys.argv]), "",
+                *[f"{name}: {_side_command(args.run_root, name)}" for name in by_side], "", *body]
         emit("\n".join(text) + "\n", args.out)
     return 0
 

@@ -33,6 +33,20 @@ def test_table_ratio_is_vllm_bi_over_stock():
     assert "| max logprob gap | 0.01 | 0 | |" in text
 
 
+def test_peak_memory_row_is_the_max_over_all_steps_and_absent_without_it():
+    """The trainer's peak GPU memory (CUDA runs write ``memory/peak_allocated_gib``) is the max over every step, the
+    warm-up included (the first AdamW update allocates the moments); a run without it (CPU) has no such row."""
+    rows = [dict(_row(9, 9, 9, 9, 9), **{RS.PEAK: 40.5}), dict(_row(1, 2, 1, 1, 5), **{RS.PEAK: 38.0})]
+    bi = RS.medians(rows)
+    stock = RS.medians([_row(9, 9, 9, 9, 9), _row(1, 2, 1, 1, 5)])
+    assert bi["trainer peak memory"] == 40.5 and stock["trainer peak memory"] is None
+    text = "\n".join(RS.table({"stock": stock, "vllm_bi": bi}))
+    assert f"| {RS.PEAK_LABEL} |  | 40.5 | |" in text
+    assert RS.PEAK_LABEL in "\n".join(RS.one_side({"vllm_bi": bi}))
+    assert RS.PEAK_LABEL not in "\n".join(RS.table({"stock": stock, "vllm_bi": stock}))
+    assert RS.PEAK_LABEL not in "\n".join(RS.one_side({"stock": stock}))
+
+
 def test_one_side_table_holds_that_side_only():
     bi = RS.medians([_row(9, 9, 9, 9, 9), _row(1.5, 2.2, 1, 3, 5.7)])
     text = "\n".join(RS.one_side({"vllm_bi": bi}))
@@ -53,6 +67,7 @@ def test_reuse_reads_an_earlier_side_and_runs_the_other(tmp_path, monkeypatch, c
     import sys
     root = tmp_path / "rl"
     _write(str(root / "stock" / "metrics.jsonl"), [_row(9, 9, 9, 9, 9), _row(1, 2, 1, 1, 5, 0.3)])
+    (root / "stock" / RS.COMMAND_FILE).write_text("python -m vllm_bi.trainer --arithmetic stock --x 0.25\n")
     ran = []
 
     def fake_run(side, model, steps, run_root, extra):
@@ -70,6 +85,18 @@ def test_reuse_reads_an_earlier_side_and_runs_the_other(tmp_path, monkeypatch, c
     assert ran == ["vllm_bi"]
     text = out.read_text()
     assert "| whole step | 5.000 | 5.700 | 1.14x |" in text and "| max logprob gap | 0.3 | 0 | |" in text
+    # each side's own command: the reused side's from its run dir (the fake run here wrote none)
+    assert "stock: python -m vllm_bi.trainer --arithmetic stock --x 0.25\n" in text
+    assert "vllm_bi: (not recorded)\n" in text
+
+
+def test_a_side_records_its_trainer_command(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(RS.subprocess, "run", lambda cmd, check: ran.append(cmd))
+    path = RS.run_side("vllm_bi", "/m", 3, str(tmp_path), ["--server-args", "--gpu-memory-utilization 0.2"])
+    assert path == os.path.join(str(tmp_path), "vllm_bi", "metrics.jsonl") and len(ran) == 1
+    recorded = (tmp_path / "vllm_bi" / RS.COMMAND_FILE).read_text()
+    assert recorded.endswith("--server-args '--gpu-memory-utilization 0.2'\n") and "--arithmetic vllm_bi" in recorded
 
 
 def test_reuse_without_the_earlier_run_is_refused(tmp_path, monkeypatch, capsys):

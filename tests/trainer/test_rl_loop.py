@@ -63,6 +63,7 @@ def test_on_policy_logprob_diff_is_exactly_zero_every_step(server, model_dir, tm
         assert r["bit_wise/logprob_diff/max"] == 0.0, r
         assert r["bit_wise/frac_tokens_different"] == 0.0, r
         assert r["tokens/completion"] > 0
+        assert "memory/peak_allocated_gib" not in r  # GPU memory: written by CUDA trainers only
     assert read_metrics(str(tmp_path)) == json.loads(json.dumps(rows))
     # one settings dict: the server's (vllm_bi_info), the run's first metrics row and its checkpoint agree
     info = server.collective_rpc("vllm_bi_info")[0]

@@ -227,6 +227,9 @@ def _rl_step(step: int, cfg: TrainerConfig, dist: Dist, policy: Policy, rollouts
             raise RuntimeError(f"internal error: got batch {b.index} for step {step}")
         return b
 
+    cuda = str(dist.device).startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dist.device)
     batch = _on_main(dist, next_batch)
     wait_s = time.perf_counter() - t0
     row = {"step": step, "version": step, "sample_version": batch.version, "staleness": step - batch.version}
@@ -249,6 +252,8 @@ def _rl_step(step: int, cfg: TrainerConfig, dist: Dist, policy: Policy, rollouts
             "data_position": (step + 1) * cfg.prompts_per_step,
             "trainer/world_size": dist.world,
         })
+        if cuda:  # this process's most CUDA memory held by tensors during the step (training and the push)
+            row["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(dist.device) / 2**30
         metrics.write(row)
         return row
 
