@@ -154,8 +154,7 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
         bi = cfg.arithmetic != "stock"
         sync = (WeightSync(client, cfg.run_dir, model_dir, cfg.weight_versions_kept, cfg.verify_weights and bi,
                            layout=bi, transfer=cfg.weight_push) if dist.main else None)
-        state = model.hf_state_dict()
-        _on_main(dist, lambda: sync.push(model, start, state), share=False)
+        _push_current(dist, sync, model, start)
         if not resumed and checkpoint_due(cfg.save_every, 0, cfg.steps):
             save_checkpoint(cfg.run_dir, policy, 0, cfg)
             saved_at = 0
@@ -210,6 +209,14 @@ def _train(cfg: TrainerConfig, dist: Dist, log) -> list[dict]:
             server.stop()
 
 
+def _push_current(dist: Dist, sync: WeightSync | None, model, version: int) -> None:
+    """Push the model's weights as ``version`` (the first rank; every rank gathers under FSDP2). The state dict is a
+    copy of every weight on the op library's model (2 bytes a parameter), so it lives only for the push, not through
+    the optimizer's updates."""
+    state = model.hf_state_dict()
+    _on_main(dist, lambda: sync.push(model, version, state), share=False)
+
+
 def _rl_step(step: int, cfg: TrainerConfig, dist: Dist, policy: Policy, rollouts: RolloutThread | None,
              sync: WeightSync | None, metrics: MetricsWriter | None, bar) -> tuple[dict, bool]:
     """RL step ``step`` on every rank: take its batch from the rollout thread, train on it, push the new weights
@@ -258,6 +265,7 @@ def _rl_step(step: int, cfg: TrainerConfig, dist: Dist, policy: Policy, rollouts
         return row
 
     row = _on_main(dist, publish)
+    del state  # a copy of every weight on the op library's model (2 bytes a parameter): not kept past the push
     saved = checkpoint_due(cfg.save_every, step + 1, cfg.steps)
     if saved:
         save_checkpoint(cfg.run_dir, policy, step + 1, cfg)
