@@ -70,6 +70,12 @@ CHUNK_DECODE_AUTO_CUDA = "host"
 # (their sums run in another order), so a change here changes CUDA's bits, as DEFAULT_PRESET does, and lands with a
 # full GPU gate run. The portable preset keeps the torch formula.
 LOGPROBS_AUTO_CUDA = "triton"
+# Which rows the trainer's lm_head and log-softmax take on CUDA under VLLM_BI_TRAINER_LOGITS=auto: "all" (every
+# position of the packed sequences, then the completion rows picked out) or "completions" (those rows only). The
+# op library's GEMM and log-softmax give a row the same bits in a batch of any size (the server relies on it), so both
+# give the same logprobs; tests/test_trainer_logits.py checks them with torch.equal on CPU. A change here changes a
+# default CUDA path and lands with a GPU gate run.
+TRAINER_LOGITS_AUTO_CUDA = "all"
 # What VLLM_BI_DIGEST=auto runs on CUDA. Both implementations give the same weight digests by construction, so this
 # decides no bits of a served token. The kernel gave the torch path's digests at full model size on the GPU
 # (benchmarks/weight_digest.py); as a change of a default CUDA path, the switch lands with a full GPU gate run.
@@ -169,6 +175,11 @@ SETTINGS = (
           "log-softmax of the logits (the server's logprobs and the trainer's): the fp32 torch formula, or two Triton "
           "kernels over fixed spans of each row (CUDA; other bits than the formula's); auto: "
           f"{LOGPROBS_AUTO_CUDA} on CUDA, torch on CPU"),
+    _Spec("trainer_logits", "auto", ("auto", "all", "completions"),
+          "the rows the trainer's lm_head and log-softmax take: every position of its packed sequences, or the "
+          "completion tokens' only (the rows whose logprobs it uses: less work and memory where prompts are long; "
+          "the same logprobs, since the op library gives a row the same bits in a batch of any size); auto: "
+          f"completions on CPU, {TRAINER_LOGITS_AUTO_CUDA} on CUDA"),
     _Spec("digest", "auto", ("auto", "torch", "triton"),
           "the weight digest's value sums: torch's elementwise kernels, or one fused Triton kernel (CUDA; bf16, fp16 "
           "and fp32 tensors); the same digests either way, so server and trainer may differ; auto: "
@@ -282,6 +293,7 @@ class Settings:
     moe: str = "auto"
     chunk_decode: str = "auto"
     logprobs: str = "auto"
+    trainer_logits: str = "auto"
     digest: str = "auto"
     spec_verify: str = "fused"
     cuda_graphs: str = "auto"
@@ -381,6 +393,10 @@ class Settings:
         if device != "cuda" or self.gdn_mode != "recurrent":
             return "none"
         return GDN_TILE_AUTO_CUDA if self.gdn_tile == "auto" else self.gdn_tile
+
+    def trainer_logits_rows(self, device: str) -> str:
+        """The rows the trainer's lm_head and log-softmax take on ``device``: ``all`` or ``completions``."""
+        return _resolved(self.trainer_logits, device, TRAINER_LOGITS_AUTO_CUDA, "completions")
 
     def logprobs_op(self, device: str) -> str:
         """The log-softmax's implementation on ``device`` (``torch`` or ``triton``)."""

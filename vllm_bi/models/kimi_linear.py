@@ -365,8 +365,9 @@ class KimiLinearForCausalLM(_Params):
                 out[name] = t
         return out
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
-        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0)."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """bf16 logits ``[T, vocab]`` of packed sequences (each from position 0); with ``rows`` (indices into ``T``)
+        those positions' only, the same bits as those rows of all."""
         c = self.c
         cu = [int(x) for x in cu_seqlens]
         h, residual = self.w("model.embed_tokens.weight")[input_ids], None
@@ -375,7 +376,7 @@ class KimiLinearForCausalLM(_Params):
         # the last residual added in bf16, then the final norm alone: vLLM's Kimi model ends its forward with the sum
         # and normalises in compute_logits (a fused add-and-norm keeps the sum in fp32: other bits)
         h = rms_norm_maybe_residual(h + residual, None, self.w("model.norm.weight"), c.rms_norm_eps)
-        return bi_linear(h, self.w("lm_head.weight"))
+        return bi_linear(h if rows is None else h[rows], self.w("lm_head.weight"))
 
     def save_pretrained(self, path: str, like: str, state_dict: dict | None = None) -> str:
         """Write ``model.safetensors`` (the checkpoint's names) to ``path``, with config and tokenizer files copied

@@ -35,6 +35,7 @@ from vllm_bi.ops.moe import moe_experts, softmax_topk
 from vllm_bi.ops.norm import gated_rms_norm, rms_norm_maybe_residual
 from vllm_bi.ops.rotary import apply_rotary, rope_cos_sin_cache
 from vllm_bi.ops.softmax import log_softmax
+from vllm_bi.settings import current
 
 __all__ = ["HybridConfig", "QwenGDNForCausalLM", "attention_block", "completion_logprobs", "decoder_layer",
            "decoder_stack", "gdn_block", "gemma_rms_norm", "mlp_block", "moe_block", "next_token_logprobs",
@@ -304,14 +305,17 @@ def completion_logprobs(model, pairs, entropy: bool = False, masks=None) -> tupl
     for p, c in pairs:
         cu.append(cu[-1] + len(p) + len(c))
     ids = torch.tensor([t for p, c in pairs for t in (*p, *c)], device=dev)
-    lp = log_softmax(model(ids, cu), dim=-1, dtype=torch.float32)
     rows = torch.cat([torch.arange(cu[i] + len(p) - 1, cu[i + 1] - 1) for i, (p, _) in enumerate(pairs)]).to(dev)
+    if current().trainer_logits_rows(dev.type) == "completions":  # the rows used only: the same bits, less work
+        lp = log_softmax(model(ids, cu, rows=rows), dim=-1, dtype=torch.float32)
+    else:
+        lp = log_softmax(model(ids, cu), dim=-1, dtype=torch.float32)[rows]
     targets = torch.tensor([t for _, c in pairs for t in c], device=dev)
-    tok_lp = lp[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
+    tok_lp = lp.gather(1, targets.unsqueeze(1)).squeeze(1)
     ent = 0.0
     if entropy:
         with torch.no_grad():
-            sel = lp[rows]
+            sel = lp
             if masks is not None and any(m is not None for m in masks):
                 keep = [b for (_, c), m in zip(pairs, masks) for b in (m if m is not None else [True] * len(c))]
                 sel = sel[torch.tensor(keep, device=dev)]
@@ -528,12 +532,14 @@ class QwenGDNForCausalLM(nn.Module):
         ``state_dict``: an :meth:`hf_state_dict` already gathered (default: gather it now)."""
         return write_checkpoint(path, self.hf_state_dict() if state_dict is None else state_dict, like)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor) -> torch.Tensor:
-        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``."""
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: list[int] | torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids [T]`` packed, ``cu_seqlens [B+1]`` -> bf16 logits ``[T, vocab]``; with ``rows`` (indices into
+        ``T``) the logits of those positions only, ``[len(rows), vocab]``, the same bits as those rows of all."""
         cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
         h = decoder_stack(self.embed_tokens[input_ids], self.layers, self.norm, cu)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return bi_linear(h, head)
+        return bi_linear(h if rows is None else h[rows], head)
 
     def token_logprobs(self, input_ids: torch.Tensor, cu_seqlens) -> torch.Tensor:
         """``[T]`` fp32: logprob of ``input_ids[t+1]`` given the prefix, per sequence (last of each is NaN)."""
