@@ -599,21 +599,29 @@ def card_gemm_table(device: str | None = None) -> str:
     """The shipped tile table made on ``device`` (default: :func:`cuda_device_name`), by the ``device`` each table
     records; :data:`DEFAULT_GEMM_TABLE` where none was (and without CUDA). One table per card: a test checks it."""
     device = cuda_device_name() if device is None else device
-    if device:
-        for name, made_on in shipped_table_devices().items():
-            if made_on == device:
-                return name
-    return DEFAULT_GEMM_TABLE
+    return (_table_made_on(device, BUILTIN_GEMM_TABLES) if device else None) or DEFAULT_GEMM_TABLE
 
 
-def shipped_table_devices() -> dict[str, str]:
-    """``{name: the device it was tuned on}`` of every shipped tile table."""
+@functools.lru_cache(maxsize=None)
+def _table_made_on(device: str, folder: str) -> str | None:
+    # once per process and folder: the table path is resolved before every Triton GEMM product
+    return next((name for name, made_on in shipped_table_devices(folder).items() if made_on == device), None)
+
+
+def shipped_table_devices(folder: str | None = None) -> dict[str, str]:
+    """``{name: the device it was tuned on}`` of every tile table in ``folder`` (default: the shipped ones), in name
+    order; ``""`` for a file that does not say (or cannot be read)."""
     import json
 
+    folder = BUILTIN_GEMM_TABLES if folder is None else folder
+    try:
+        names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
+    except OSError:
+        return {}
     out = {}
-    for name in builtin_tables():
+    for name in names:
         try:
-            with open(os.path.join(BUILTIN_GEMM_TABLES, name + ".json")) as f:
+            with open(os.path.join(folder, name + ".json")) as f:
                 out[name] = str(json.load(f).get("device", ""))
         except (OSError, ValueError, AttributeError):
             out[name] = ""

@@ -292,27 +292,21 @@ def head_start(shapes: Iterable[tuple[int, int]], device: str, folder: str) -> H
     :class:`HeadStart`; None when there is none. A table made on another device is never taken: its tiles were timed
     there."""
     from vllm_bi.ops.gemm_configs import load_table
+    from vllm_bi.settings import shipped_table_devices
 
     wanted = set((int(n), int(k)) for n, k in shapes)
-    try:
-        names = sorted(f for f in os.listdir(folder) if f.endswith(".json"))
-    except OSError:
-        return None
-    for fname in names:
-        path = os.path.join(folder, fname)
+    for name in [n for n, made_on in shipped_table_devices(folder).items() if made_on == device]:
+        path = os.path.join(folder, name + ".json")
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-            if json.loads(raw).get("device") != device:
-                continue
             arch, table = load_table(path)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             continue
         entries = {s: (bk, [(m, tuple(t)) for m, *t in buckets]) for s, (bk, buckets) in table.items() if s in wanted}
         if entries:
             digest = hashlib.sha256(raw).hexdigest()[:16]
-            return HeadStart(f"{fname[:-5]}:{digest}", arch, entries,
-                             {k: bk for (_, k), (bk, _) in table.items()})
+            return HeadStart(f"{name}:{digest}", arch, entries, {k: bk for (_, k), (bk, _) in table.items()})
     return None
 
 
