@@ -55,8 +55,9 @@ def run_worker(args) -> dict:
         from vllm_bi.trainer.stock import StockModel
 
         model = StockModel.from_pretrained(args.model).to(device)
-    with open(os.path.join(args.model, "config.json")) as f:
-        cfg = json.load(f)
+    from vllm_bi.model_dir import read_model_config
+
+    cfg = read_model_config(args.model)
     vocab = int(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size"))
     pairs = _pairs(vocab, args.seqs, args.prompt, args.completion, args.seed)
 
@@ -97,7 +98,6 @@ def run_worker(args) -> dict:
     arithmetic = ""
     if bi:
         from vllm_bi.parity import trainer_settings
-
         from vllm_bi.settings import current
 
         arithmetic = f"{trainer_settings(device)}, lm_head over {current().trainer_logits_rows(device)} rows"
@@ -148,12 +148,16 @@ def main() -> int:
     sys.path.insert(0, HERE)
     from full_scale import parse_side
 
+    from vllm_bi.errors import UsageError
+    from vllm_bi.model_dir import read_model_config
+
     sides = [s for s in args.sides.split(",") if s]
-    for s in sides:
-        try:
+    try:
+        for s in sides:
             parse_side(s)
-        except ValueError as e:
-            ap.error(str(e))
+        read_model_config(args.model)  # a bad --model: one line here, not a traceback per side
+    except (ValueError, UsageError) as e:
+        ap.error(str(e))
     if args.worker:
         print("RESULT " + json.dumps(run_worker(args)), flush=True)
         return 0

@@ -29,10 +29,14 @@ def test_table_ratios_are_against_the_first_side_and_parts_need_every_side():
     assert "0.50x" in cpu and "GPU ms" not in cpu and "peak" not in cpu
 
 
-def test_a_bad_side_is_refused_in_one_line():
+def test_a_bad_side_or_model_is_refused_in_one_line():
     r = subprocess.run([sys.executable, BENCH, "--model", "m", "--sides", "stock,fast"], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 2 and "side 'fast'" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, BENCH, "--model", "/no/such/checkpoint"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "--model /no/such/checkpoint: no such directory" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_both_sides_run_on_cpu(tiny_model_path, tmp_path):
