@@ -12,7 +12,7 @@ library with the defaults) and ``vllm_bi:VLLM_BI_X=VALUE[:...]`` (the defaults b
 ``VLLM_BI_TRAINER_LOGITS=completions``). Each side runs in a process of its own (as a trainer does): one warm-up step
 (compiles, autotuning), then ``--reps`` timed steps (wall time, synchronised) and their peak memory. On CUDA one more
 step runs under torch.profiler and its kernel time is summed by part (GEMM, attention, GDN, logprobs, norms +
-pointwise, other) with ``full_scale.py``'s kernel patterns. Ratios are against the first side. The settings that
+pointwise, other) with ``full_scale.py``'s kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings that
 tune on a server's start (``VLLM_BI_GEMM_CONFIGS=tune``) have no server here: name a table instead.
 """
 
@@ -28,6 +28,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TOP_KERNELS = 15  # kernels listed per side, by GPU time
 PART_ORDER = ("GEMM", "attention", "GDN", "sampling + logprobs", "norms + pointwise", "other")
 
 
@@ -82,7 +83,7 @@ def run_worker(args) -> dict:
         times.append((time.perf_counter() - t0) * 1e3)
         if device == "cuda":
             peak = max(peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
-    parts = None
+    parts, top = None, None
     if device == "cuda":
         from full_scale import part_of
         from torch.profiler import ProfilerActivity, profile
@@ -90,11 +91,15 @@ def run_worker(args) -> dict:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             step()
             sync()
-        parts = {}
+        parts, kernels = {}, []
         for e in prof.key_averages():
             if e.self_device_time_total > 0:
                 part = part_of(e.key)
-                parts[part] = parts.get(part, 0.0) + e.self_device_time_total / 1000.0
+                ms = e.self_device_time_total / 1000.0
+                parts[part] = parts.get(part, 0.0) + ms
+                kernels.append((ms, e.count, part, e.key))
+        top = [{"ms": ms, "calls": n, "part": part, "kernel": key[:120]}
+               for ms, n, part, key in sorted(kernels, reverse=True)[:TOP_KERNELS]]
     arithmetic = ""
     if bi:
         from vllm_bi.parity import trainer_settings
@@ -103,7 +108,7 @@ def run_worker(args) -> dict:
         arithmetic = f"{trainer_settings(device)}, lm_head over {current().trainer_logits_rows(device)} rows"
     return {"side": args.worker, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "wall_ms": statistics.median(times), "wall_ms_all": times, "peak_gib": peak, "parts": parts,
-            "arithmetic": arithmetic}
+            "top_kernels": top, "arithmetic": arithmetic}
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -180,6 +185,11 @@ def main() -> int:
             f"completion tokens), {args.model}, {rows[0]['device']}", "",
             "command: " + " ".join([os.path.basename(sys.executable), *sys.argv]), "", *table(rows), ""]
     text += [f"{r['side']}: {r['arithmetic']}" for r in rows if r["arithmetic"]]
+    for r in rows:
+        if r.get("top_kernels"):
+            text += ["", f"{r['side']}: the {len(r['top_kernels'])} kernels with the most GPU time", "",
+                     "| ms | calls | part | kernel |", "| ---: | ---: | --- | --- |"]
+            text += [f"| {k['ms']:.2f} | {k['calls']} | {k['part']} | `{k['kernel']}` |" for k in r["top_kernels"]]
     emit("\n".join(text) + "\n", args.out)
     if args.json_out:
         with open(args.json_out, "w") as f:
