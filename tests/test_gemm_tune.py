@@ -556,15 +556,17 @@ def test_auto_tunes_where_the_auto_table_is_tune(monkeypatch):
     name or ``vllm`` is kept either way."""
     assert S.GEMM_CONFIGS_AUTO_CUDA in ("shipped", S.CARD, S.TUNE)
     monkeypatch.setattr(S, "cuda_device_name", lambda: "NVIDIA H100 80GB HBM3")
-    auto = S.Settings.from_env({})
     tiles = {name: S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": name}).gemm_tiles() for name in S.builtin_tables()}
     monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", "shipped")
+    auto = S.Settings.from_env({})  # a settings object resolves its table once: one per constant
     assert not auto.tunes_gemm("cuda") and auto.gemm_tiles() == tiles[S.DEFAULT_GEMM_TABLE]
     assert auto.gemm_table_name() == S.DEFAULT_GEMM_TABLE
     monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.CARD)
+    auto = S.Settings.from_env({})
     assert auto.gemm_tiles() == tiles["h100-qwen3.5-9b"] != tiles[S.DEFAULT_GEMM_TABLE]
     assert auto.gemm_table_name() == "h100-qwen3.5-9b"
     monkeypatch.setattr(S, "GEMM_CONFIGS_AUTO_CUDA", S.TUNE)
+    auto = S.Settings.from_env({})
     assert auto.tunes_gemm("cuda") and not auto.tunes_gemm("cpu") and auto.gemm_table_name() == S.TUNE
     assert auto.arithmetic("cuda")["gemm_configs"] == S.TUNE_PENDING and auto.arithmetic("cpu")["gemm_configs"] == "none"
     named = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": S.DEFAULT_GEMM_TABLE})

@@ -436,6 +436,13 @@ class Settings:
             return None
         if self.tunes_table():
             return _TUNED[0] if _TUNED else None
+        return self._named_table_path
+
+    @functools.cached_property
+    def _named_table_path(self) -> str:
+        # resolved once per settings object: the Triton GEMM asks before every product, and the name's resolution
+        # reads the file system (the shipped tables' folder)
+        value = self.gemm_configs
         if value == "auto":
             value = DEFAULT_GEMM_TABLE if GEMM_CONFIGS_AUTO_CUDA == "shipped" else CARD
         if value == CARD:

@@ -191,3 +191,24 @@ def test_the_h100_table_covers_the_lm_head_and_names_its_device(monkeypatch):
     h100 = G.table_digest()
     monkeypatch.setenv("VLLM_BI_GEMM_CONFIGS", "h200-qwen3.5-9b")
     assert G.table_digest() != h100
+
+
+def test_a_named_table_is_resolved_once_per_settings(monkeypatch):
+    """The Triton GEMM asks for its table before every product: a table name (``auto``, ``card``, a shipped name) is
+    resolved through the file system once per settings object, then without touching it."""
+    from vllm_bi import settings as S
+
+    for value in ("auto", S.CARD, "h200-qwen3.5-9b"):
+        s = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": value})
+        path = s.gemm_table_path()
+        assert os.path.isfile(path)
+        with monkeypatch.context() as m:
+            def no_file_system(*a, **k):
+                raise AssertionError(f"{value}: the file system was read again")
+
+            m.setattr(os, "listdir", no_file_system)
+            m.setattr(os.path, "exists", no_file_system)
+            assert s.gemm_table_path() == path
+            fresh = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": value})
+            with pytest.raises(AssertionError, match="read again"):  # the control: a new object resolves anew
+                fresh.gemm_table_path()
