@@ -635,6 +635,14 @@ def shipped_table_devices(folder: str | None = None) -> dict[str, str]:
     return out
 
 
+def shipped_table_with_digest(digest: str) -> str | None:
+    """The name of the shipped tile table whose digest (:meth:`Settings.gemm_tiles`) is ``digest``, None if none."""
+    for name in builtin_tables():
+        if Settings.from_env({"VLLM_BI_GEMM_CONFIGS": name}).gemm_tiles() == digest:
+            return name
+    return None
+
+
 def builtin_tables() -> list[str]:
     """Names of the GEMM tile tables shipped with vllm_bi (``VLLM_BI_GEMM_CONFIGS=<name>``)."""
     try:

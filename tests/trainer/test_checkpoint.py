@@ -270,3 +270,24 @@ def test_a_run_from_before_the_gates_setting_resumed_under_the_gates_kernel_is_r
     old = Settings.from_env({"VLLM_BI_GDN_GATES": "torch"}).arithmetic("cuda")
     with pytest.raises(TrainerError, match="VLLM_BI_GDN_GATES"):
         check_resume_settings(str(tmp_path), old, Settings.from_env({}).arithmetic("cuda"))
+
+
+def test_a_run_under_another_shipped_tile_table_is_refused_naming_it(tmp_path, monkeypatch):
+    """A CUDA run checkpointed under one shipped GEMM tile table (the H200 table, ``auto``'s on every card before it
+    took the serving card's) and resumed under another (the H100 table on an H100): refused in one line naming the
+    run's table by its shipped name; that name resumes it (control)."""
+    from vllm_bi import settings as S
+    from vllm_bi.trainer.checkpoint import check_resume_settings
+
+    old = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b"}).arithmetic("cuda")
+    now = S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "h100-qwen3.5-9b"}).arithmetic("cuda")
+    assert old["gemm_configs"] != now["gemm_configs"]
+    with pytest.raises(TrainerError) as e:
+        check_resume_settings(str(tmp_path), old, now)
+    msg = str(e.value)
+    assert "\n" not in msg and "VLLM_BI_GEMM_CONFIGS=h200-qwen3.5-9b" in msg and "--resume false" in msg
+    check_resume_settings(str(tmp_path), old,
+                          S.Settings.from_env({"VLLM_BI_GEMM_CONFIGS": "h200-qwen3.5-9b"}).arithmetic("cuda"))
+    unknown = dict(old, gemm_configs="0123456789abcdef")  # a table that is not shipped: the generic fix
+    with pytest.raises(TrainerError, match="as the run had it"):
+        check_resume_settings(str(tmp_path), unknown, now)

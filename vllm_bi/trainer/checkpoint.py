@@ -54,11 +54,16 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
     if rows:
         key, a, b = rows[0]
         if key == "gemm_configs":
-            from vllm_bi.settings import current
+            from vllm_bi.settings import current, shipped_table_with_digest
 
             own = os.path.join(run_dir, "gemm_tiles", f"{a}.json")  # the run's copy of its server's tuned table
-            fix = (f"set VLLM_BI_GEMM_CONFIGS={own} (the run's table) for the run and its server"
-                   if os.path.exists(own) else "set VLLM_BI_GEMM_CONFIGS as the run had it")
+            shipped = shipped_table_with_digest(a)  # e.g. the table auto named before it took the card's
+            if os.path.exists(own):
+                fix = f"set VLLM_BI_GEMM_CONFIGS={own} (the run's table) for the run and its server"
+            elif shipped:
+                fix = f"set VLLM_BI_GEMM_CONFIGS={shipped} (the shipped table the run had) for the run and its server"
+            else:
+                fix = "set VLLM_BI_GEMM_CONFIGS as the run had it"
             why = (" (its server's tuned table: one is tuned anew for another device or another torch, Triton, vLLM "
                    "or vllm_bi version)" if current().tunes_table() else "")
             raise TrainerError(f"{run_dir} holds a checkpoint made with the Triton GEMM tile table {a}, this process "
