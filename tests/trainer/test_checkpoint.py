@@ -273,9 +273,8 @@ def test_a_run_from_before_the_gates_setting_resumed_under_the_gates_kernel_is_r
 
 
 def test_a_run_under_another_shipped_tile_table_is_refused_naming_it(tmp_path, monkeypatch):
-    """A CUDA run checkpointed under one shipped GEMM tile table (the H200 table, ``auto``'s on every card before it
-    took the serving card's) and resumed under another (the H100 table on an H100): refused in one line naming the
-    run's table by its shipped name; that name resumes it (control)."""
+    """A CUDA run checkpointed under one shipped GEMM tile table (the H200 table) and resumed under another (the H100
+    table): refused in one line naming the run's table by its shipped name; that name resumes it (control)."""
     from vllm_bi import settings as S
     from vllm_bi.trainer.checkpoint import check_resume_settings
 

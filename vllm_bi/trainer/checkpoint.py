@@ -57,7 +57,7 @@ def check_resume_settings(run_dir: str, saved: dict | None, now: dict) -> None:
             from vllm_bi.settings import current, shipped_table_with_digest
 
             own = os.path.join(run_dir, "gemm_tiles", f"{a}.json")  # the run's copy of its server's tuned table
-            shipped = shipped_table_with_digest(a)  # e.g. the table auto named before it took the card's
+            shipped = shipped_table_with_digest(a)  # a table shipped with vllm_bi: its name
             if os.path.exists(own):
                 fix = f"set VLLM_BI_GEMM_CONFIGS={own} (the run's table) for the run and its server"
             elif shipped:
