@@ -290,3 +290,25 @@ def test_a_run_under_another_shipped_tile_table_is_refused_naming_it(tmp_path, m
     unknown = dict(old, gemm_configs="0123456789abcdef")  # a table that is not shipped: the generic fix
     with pytest.raises(TrainerError, match="as the run had it"):
         check_resume_settings(str(tmp_path), unknown, now)
+
+
+def test_micro_batch_gradients_accumulate_in_place_in_fp32(model_dir, tmp_path):
+    """``Policy.accumulate``: the masters' fp32 gradients are the sum of the micro-batches' bf16 gradients, each
+    taken to fp32 (equal to ``float(g1) + float(g2)`` bit for bit), and after the first micro-batch they are added
+    in place (the same storage: no fp32 copy of a 248K-vocabulary gradient per micro-batch)."""
+    policy = Policy(QwenGDNForCausalLM.from_pretrained(model_dir), TrainerConfig(model=model_dir,
+                                                                                 run_dir=str(tmp_path)), Dist())
+    g = torch.Generator().manual_seed(0)
+    grads = [[(torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype) for p in policy.params] for _ in range(3)]
+    storage = None
+    for mb in grads:
+        for p, gp in zip(policy.params, mb):
+            p.grad = gp.clone()
+        policy.accumulate()
+        assert all(p.grad is None for p in policy.params)
+        now = [m.grad.data_ptr() for m in policy.masters]
+        assert storage is None or now == storage
+        storage = now
+    for i, m in enumerate(policy.masters):
+        want = grads[0][i].float() + grads[1][i].float() + grads[2][i].float()
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, want), policy.names[i]

@@ -40,8 +40,10 @@ class Policy:
     def accumulate(self) -> None:
         for p, m in zip(self.params, self.masters):
             if p.grad is not None:
-                g = p.grad.float()
-                m.grad = g if m.grad is None else m.grad + g
+                if m.grad is None:
+                    m.grad = p.grad.float()
+                else:  # in place, in fp32: no fp32 copy of the bf16 gradient and no third tensor for the sum
+                    m.grad.add_(p.grad)
                 p.grad = None
 
     def zero_grad(self) -> None:
