@@ -10,9 +10,10 @@ prompt tokens and ``--completion`` completion tokens (random token ids, one seed
 (transformers' model: cuBLAS, SDPA, fla-core's chunked GDN kernels, as ``--arithmetic stock``), ``vllm_bi`` (the op
 library with the defaults) and ``vllm_bi:VLLM_BI_X=VALUE[:...]`` (the defaults but those settings, e.g.
 ``VLLM_BI_TRAINER_LOGITS=completions``). Each side runs in a process of its own (as a trainer does): one warm-up step
-(compiles, autotuning), then ``--reps`` timed steps (wall time, synchronised) and their peak memory. On CUDA one more
-step runs under torch.profiler and its kernel time is summed by part (GEMM, attention, GDN, logprobs, norms +
-pointwise, other) with ``full_scale.py``'s kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings that
+(compiles, autotuning), then ``--reps`` timed steps (wall time, synchronised; the forward's share timed apart, with a
+synchronisation before the backward) and their peak memory. On CUDA one more step runs under torch.profiler and its
+kernel time is summed by part (GEMM, attention, GDN, logprobs, norms + pointwise, other) with ``full_scale.py``'s
+kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings that
 tune on a server's start (``VLLM_BI_GEMM_CONFIGS=tune``) have no server here: name a table instead.
 """
 
@@ -66,21 +67,27 @@ def run_worker(args) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def step():
+    def step(split=None):
         model.zero_grad(set_to_none=True)
         lps, _ = model.completion_logprobs(pairs, entropy=True)
-        torch.cat(lps).sum().backward()
+        loss = torch.cat(lps).sum()
+        if split is not None:  # the forward's share of the step (synchronised)
+            sync()
+            split.append(time.perf_counter())
+        loss.backward()
 
     step()  # warm-up: compiles and autotuning
     sync()
-    times, peak = [], None
+    times, fwd, peak = [], [], None
     for _ in range(args.reps):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        step()
+        mid = []
+        step(mid)
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
+        fwd.append((mid[0] - t0) * 1e3)
         if device == "cuda":
             peak = max(peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
     parts, top = None, None
@@ -107,7 +114,8 @@ def run_worker(args) -> dict:
 
         arithmetic = f"{trainer_settings(device)}, lm_head over {current().trainer_logits_rows(device)} rows"
     return {"side": args.worker, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "wall_ms": statistics.median(times), "wall_ms_all": times, "peak_gib": peak, "parts": parts,
+            "wall_ms": statistics.median(times), "wall_ms_all": times,
+            "forward_ms": statistics.median(fwd), "peak_gib": peak, "parts": parts,
             "top_kernels": top, "arithmetic": arithmetic}
 
 
@@ -124,6 +132,8 @@ def table(rows: list[dict]) -> list[str]:
         lines.append(f"| {label} | " + " | ".join(cells + ratios) + " |")
 
     row("wall ms per micro-batch (median)", [r["wall_ms"] for r in rows], lambda v: f"{v:.1f}")
+    if all("forward_ms" in r for r in rows):  # timed apart (synchronised after the forward): their own medians
+        row("  of it the forward (logprobs, entropy)", [r["forward_ms"] for r in rows], lambda v: f"{v:.1f}")
     if any(r["peak_gib"] is not None for r in rows):
         row("peak GiB allocated", [r["peak_gib"] for r in rows], lambda v: f"{v:.2f}")
     if all(r["parts"] for r in rows):

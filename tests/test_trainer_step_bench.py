@@ -48,4 +48,5 @@ def test_both_sides_run_on_cpu(tiny_model_path, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
     assert "| | stock | vllm_bi | vllm_bi / stock |" in text and "wall ms per micro-batch" in text
+    assert "of it the forward (logprobs, entropy)" in text
     assert "vllm_bi: GDN recurrent" in text and "lm_head over completions rows" in text
