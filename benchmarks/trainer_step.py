@@ -2,7 +2,7 @@
 the GPU time split by part.
 
     python benchmarks/trainer_step.py --model DIR [--sides stock,vllm_bi] [--seqs 8] [--prompt 16] [--completion 128]
-        [--reps 3] [--out trainer_step.md] [--json-out trainer_step.json]
+        [--reps 3] [--accumulate] [--out trainer_step.md] [--json-out trainer_step.json]
 
 What an RL step's "trainer forward + backward" does per micro-batch, without a server: the completions' logprobs
 (``completion_logprobs``, entropy included) and the backward of their sum, on ``--seqs`` sequences of ``--prompt``
@@ -11,7 +11,8 @@ prompt tokens and ``--completion`` completion tokens (random token ids, one seed
 library with the defaults) and ``vllm_bi:VLLM_BI_X=VALUE[:...]`` (the defaults but those settings, e.g.
 ``VLLM_BI_TRAINER_LOGITS=completions``). Each side runs in a process of its own (as a trainer does): one warm-up step
 (compiles, autotuning), then ``--reps`` timed steps (wall time, synchronised; the forward's share timed apart, with a
-synchronisation before the backward) and their peak memory. On CUDA one more step runs under torch.profiler and its
+synchronisation before the backward; with ``--accumulate`` the gradients' addition to fp32 master weights too, as
+the trainer does per micro-batch) and their peak memory. On CUDA one more step runs under torch.profiler and its
 kernel time is summed by part (GEMM, attention, GDN, logprobs, norms + pointwise, other) with ``full_scale.py``'s
 kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings that
 tune on a server's start (``VLLM_BI_GEMM_CONFIGS=tune``) have no server here: name a table instead.
@@ -67,7 +68,17 @@ def run_worker(args) -> dict:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    def step(split=None):
+    policy = None
+    if args.accumulate:  # the trainer's fp32 masters, into which each micro-batch's gradients are added
+        import tempfile
+
+        from vllm_bi.trainer.config import TrainerConfig
+        from vllm_bi.trainer.distributed import Dist
+        from vllm_bi.trainer.policy import Policy
+
+        policy = Policy(model, TrainerConfig(model=args.model, run_dir=tempfile.mkdtemp()), Dist())
+
+    def step(split=None, masters=True):
         model.zero_grad(set_to_none=True)
         lps, _ = model.completion_logprobs(pairs, entropy=True)
         loss = torch.cat(lps).sum()
@@ -75,10 +86,15 @@ def run_worker(args) -> dict:
             sync()
             split.append(time.perf_counter())
         loss.backward()
+        if policy is not None and masters:
+            if split is not None:
+                sync()
+                split.append(time.perf_counter())
+            policy.accumulate()
 
     step()  # warm-up: compiles and autotuning
     sync()
-    times, fwd, peak = [], [], None
+    times, fwd, acc, peak = [], [], [], None
     for _ in range(args.reps):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -88,6 +104,8 @@ def run_worker(args) -> dict:
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
         fwd.append((mid[0] - t0) * 1e3)
+        if policy is not None:
+            acc.append((time.perf_counter() - mid[1]) * 1e3)
         if device == "cuda":
             peak = max(peak or 0.0, torch.cuda.max_memory_allocated() / 2**30)
     parts, top = None, None
@@ -96,7 +114,7 @@ def run_worker(args) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
+            step(masters=False)  # the model's kernels: the masters' addition is timed above
             sync()
         parts, kernels = {}, []
         for e in prof.key_averages():
@@ -115,7 +133,7 @@ def run_worker(args) -> dict:
         arithmetic = f"{trainer_settings(device)}, lm_head over {current().trainer_logits_rows(device)} rows"
     return {"side": args.worker, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "wall_ms": statistics.median(times), "wall_ms_all": times,
-            "forward_ms": statistics.median(fwd), "peak_gib": peak, "parts": parts,
+            "forward_ms": statistics.median(fwd), "accumulate_ms": statistics.median(acc) if acc else None, "peak_gib": peak, "parts": parts,
             "top_kernels": top, "arithmetic": arithmetic}
 
 
@@ -134,6 +152,9 @@ def table(rows: list[dict]) -> list[str]:
     row("wall ms per micro-batch (median)", [r["wall_ms"] for r in rows], lambda v: f"{v:.1f}")
     if all("forward_ms" in r for r in rows):  # timed apart (synchronised after the forward): their own medians
         row("  of it the forward (logprobs, entropy)", [r["forward_ms"] for r in rows], lambda v: f"{v:.1f}")
+    if all(r.get("accumulate_ms") is not None for r in rows):
+        row("  of it the gradients added to the fp32 masters", [r["accumulate_ms"] for r in rows],
+            lambda v: f"{v:.1f}")
     if any(r["peak_gib"] is not None for r in rows):
         row("peak GiB allocated", [r["peak_gib"] for r in rows], lambda v: f"{v:.2f}")
     if all(r["parts"] for r in rows):
@@ -154,6 +175,9 @@ def main() -> int:
     ap.add_argument("--completion", type=int, default=128, help="completion tokens per sequence")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per side, after one warm-up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--accumulate", action="store_true",
+                    help="also add each step's gradients to fp32 master weights, as the trainer does per micro-batch "
+                         "(timed apart; the masters cost 4 bytes a parameter)")
     ap.add_argument("--out", default=None, help="also write the table here")
     ap.add_argument("--json-out", default=None, help="also write every side's numbers here")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one side, in its own process
@@ -182,7 +206,7 @@ def main() -> int:
     for side in sides:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--model", args.model, "--seqs",
                str(args.seqs), "--prompt", str(args.prompt), "--completion", str(args.completion), "--reps",
-               str(args.reps), "--seed", str(args.seed)]
+               str(args.reps), "--seed", str(args.seed)] + (["--accumulate"] if args.accumulate else [])
         print(f"[trainer-step] {side}", flush=True)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         results = [line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

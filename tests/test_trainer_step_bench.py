@@ -43,10 +43,10 @@ def test_both_sides_run_on_cpu(tiny_model_path, tmp_path):
     model = tiny_model_path("qwen3-next")
     out = tmp_path / "t.md"
     r = subprocess.run([sys.executable, BENCH, "--model", model, "--sides", "stock,vllm_bi", "--seqs", "2",
-                        "--prompt", "8", "--completion", "4", "--reps", "1", "--out", str(out)],
+                        "--prompt", "8", "--completion", "4", "--reps", "1", "--accumulate", "--out", str(out)],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
     assert "| | stock | vllm_bi | vllm_bi / stock |" in text and "wall ms per micro-batch" in text
-    assert "of it the forward (logprobs, entropy)" in text
+    assert "of it the forward (logprobs, entropy)" in text and "of it the gradients added to the fp32 masters" in text
     assert "vllm_bi: GDN recurrent" in text and "lm_head over completions rows" in text
