@@ -14,8 +14,8 @@ library with the defaults) and ``vllm_bi:VLLM_BI_X=VALUE[:...]`` (the defaults b
 synchronisation before the backward; with ``--accumulate`` the gradients' addition to fp32 master weights too, as
 the trainer does per micro-batch) and their peak memory. On CUDA one more step runs under torch.profiler and its
 kernel time is summed by part (GEMM, attention, GDN, logprobs, norms + pointwise, other) with ``full_scale.py``'s
-kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings that
-tune on a server's start (``VLLM_BI_GEMM_CONFIGS=tune``) have no server here: name a table instead.
+kernel patterns, and its kernels with the most GPU time are listed. Ratios are against the first side. The settings
+that tune on a server's start (``VLLM_BI_GEMM_CONFIGS=tune``) have no server here: name a table instead.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ def run_worker(args) -> dict:
 
         arithmetic = f"{trainer_settings(device)}, lm_head over {current().trainer_logits_rows(device)} rows"
     return {"side": args.worker, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "wall_ms": statistics.median(times), "wall_ms_all": times,
-            "forward_ms": statistics.median(fwd), "accumulate_ms": statistics.median(acc) if acc else None, "peak_gib": peak, "parts": parts,
+            "wall_ms": statistics.median(times), "wall_ms_all": times, "forward_ms": statistics.median(fwd),
+            "accumulate_ms": statistics.median(acc) if acc else None, "peak_gib": peak, "parts": parts,
             "top_kernels": top, "arithmetic": arithmetic}
 
 

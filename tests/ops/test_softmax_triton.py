@@ -86,7 +86,8 @@ BACKWARD = textwrap.dedent("""
 
 def test_fused_log_softmax_backward_against_float64_in_interpreter():
     """The fused log-softmax's gradient (CUDA's trainer path), through Triton's interpreter: within the input dtype's
-    rounding of float64's (relative error, with an absolute floor of 1e-3: 1e-4 for fp32 input, the fp32 sum over a row of 8K entries; 2^-8 for bf16)."""
+    rounding of float64's (relative error, with an absolute floor of 1e-3: 1e-4 for fp32 input, which covers an fp32
+    sum over a row of 8K entries; 2^-8 for bf16)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", BACKWARD], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
