@@ -606,13 +606,8 @@ def card_gemm_table(device: str | None = None) -> str:
     """The shipped tile table made on ``device`` (default: :func:`cuda_device_name`), by the ``device`` each table
     records; :data:`DEFAULT_GEMM_TABLE` where none was (and without CUDA). One table per card: a test checks it."""
     device = cuda_device_name() if device is None else device
-    return (_table_made_on(device, BUILTIN_GEMM_TABLES) if device else None) or DEFAULT_GEMM_TABLE
-
-
-@functools.lru_cache(maxsize=None)
-def _table_made_on(device: str, folder: str) -> str | None:
-    # once per process and folder: the table path is resolved before every Triton GEMM product
-    return next((name for name, made_on in shipped_table_devices(folder).items() if made_on == device), None)
+    made_here = (name for name, made_on in shipped_table_devices().items() if made_on == device)
+    return (next(made_here, None) if device else None) or DEFAULT_GEMM_TABLE
 
 
 def shipped_table_devices(folder: str | None = None) -> dict[str, str]:
@@ -621,12 +616,8 @@ def shipped_table_devices(folder: str | None = None) -> dict[str, str]:
     import json
 
     folder = BUILTIN_GEMM_TABLES if folder is None else folder
-    try:
-        names = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
-    except OSError:
-        return {}
     out = {}
-    for name in names:
+    for name in _table_names(folder):
         try:
             with open(os.path.join(folder, name + ".json")) as f:
                 out[name] = str(json.load(f).get("device", ""))
@@ -645,8 +636,13 @@ def shipped_table_with_digest(digest: str) -> str | None:
 
 def builtin_tables() -> list[str]:
     """Names of the GEMM tile tables shipped with vllm_bi (``VLLM_BI_GEMM_CONFIGS=<name>``)."""
+    return _table_names(BUILTIN_GEMM_TABLES)
+
+
+def _table_names(folder: str) -> list[str]:
+    """The tile tables in ``folder`` by name (``NAME.json``), sorted; none where it cannot be read."""
     try:
-        return sorted(f[:-5] for f in os.listdir(BUILTIN_GEMM_TABLES) if f.endswith(".json"))
+        return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".json"))
     except OSError:
         return []
 
